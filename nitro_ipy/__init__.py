@@ -1,0 +1,82 @@
+"""nitro_ipy: live-edit JAX training in Jupyter, compiled once and never silently stale.
+
+`import nitro_ipy` never imports IPython or ipywidgets; `%load_ext nitro_ipy` wires the notebook side.
+"""
+
+from ._cache import CacheStats as CacheStats
+from ._cache import cache_reset as cache_reset
+from ._cache import cache_stats as cache_stats
+from ._errors import GraphConstHashError as GraphConstHashError
+from ._errors import HostFieldAccessError as HostFieldAccessError
+from ._errors import NitroError as NitroError
+from ._errors import NitroTypeError as NitroTypeError
+from ._errors import NitroValueError as NitroValueError
+from ._errors import NitroWarning as NitroWarning
+from ._errors import NonFiniteLossError as NonFiniteLossError
+from ._fields import Device as Device
+from ._fields import GraphConst as GraphConst
+from ._fields import Host as Host
+from ._fields import assert_graphconst_hashable as assert_graphconst_hashable
+from ._fields import compile_view as compile_view
+from ._fields import device_fields as device_fields
+from ._fields import graphconst_field_hash as graphconst_field_hash
+from ._fields import graphconst_fields as graphconst_fields
+from ._fields import host_fields as host_fields
+from ._fingerprint import Unfingerprintable as Unfingerprintable
+from ._fingerprint import fingerprint as fingerprint
+from ._handle import Nitro as Nitro
+from ._handle import evaluate as evaluate
+from ._handle import predict as predict
+from ._handle import train as train
+from ._handle import validate as validate
+from ._hooks import metrics as metrics
+from ._world import bump_world as bump_world
+from ._world import world as world
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheStats",
+    "Device",
+    "GraphConst",
+    "GraphConstHashError",
+    "Host",
+    "HostFieldAccessError",
+    "Nitro",
+    "NitroError",
+    "NitroTypeError",
+    "NitroValueError",
+    "NitroWarning",
+    "NonFiniteLossError",
+    "Unfingerprintable",
+    "assert_graphconst_hashable",
+    "bump_world",
+    "cache_reset",
+    "cache_stats",
+    "compile_view",
+    "device_fields",
+    "evaluate",
+    "fingerprint",
+    "graphconst_field_hash",
+    "graphconst_fields",
+    "host_fields",
+    "metrics",
+    "predict",
+    "train",
+    "validate",
+    "world",
+]
+
+
+def load_ipython_extension(ip):
+    """`%load_ext nitro_ipy`: the cell hook, the magics and the file watcher."""
+    from ._extension import load
+
+    load(ip)
+
+
+def unload_ipython_extension(ip):
+    """`%unload_ext nitro_ipy`: removes every callback and stops the file watcher."""
+    from ._extension import unload
+
+    unload(ip)

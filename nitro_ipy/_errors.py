@@ -1,0 +1,29 @@
+"""The exception and warning hierarchy: every error nitro_ipy raises derives from `NitroError`."""
+
+
+class NitroError(Exception):
+    """Base class of every error nitro_ipy raises."""
+
+
+class NitroTypeError(NitroError, TypeError):
+    """A value of the wrong kind: a bad experiment class, marker, field value or hook."""
+
+
+class GraphConstHashError(NitroTypeError):
+    """A `GraphConst` value that does not fingerprint by content (it would hash by identity)."""
+
+
+class HostFieldAccessError(NitroError, AttributeError):
+    """Traced code read a `Host` field, which compiled code never sees."""
+
+
+class NitroValueError(NitroError, ValueError):
+    """A value of the right kind but wrong content: data shapes, batch fields, schedules."""
+
+
+class NonFiniteLossError(NitroError, FloatingPointError):
+    """The training loss became NaN or infinite."""
+
+
+class NitroWarning(UserWarning):
+    """Base class of every warning nitro_ipy emits."""

@@ -1,0 +1,329 @@
+"""Content fingerprints of values and code, stable across processes (never the salted `hash()`).
+
+A fingerprint is a hex digest of a canonical byte stream. Two values with equal content fingerprint equal;
+anything whose only notion of equality is identity is refused with the path at which it was met.
+"""
+
+import dataclasses
+import enum
+import functools
+import hashlib
+import math
+import struct
+import sys
+import types
+
+import numpy as np
+
+from ._errors import NitroTypeError
+
+
+class Unfingerprintable(NitroTypeError):
+    """A value with no content fingerprint; `path` says where inside the value it was met."""
+
+    def __init__(self, path: str, what: str):
+        self.path = path
+        self.what = what
+        super().__init__(f"{path}: {what}")
+
+
+def _qualname(obj) -> str:
+    return f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+
+
+# Where code lives decides how a class is fingerprinted: a user's class by its methods' code, a library's
+# by its name (its code only changes with a package upgrade, which restarts the kernel anyway).
+_LIBRARY_PREFIXES = tuple(
+    {p for p in (sys.prefix, sys.base_prefix, sys.exec_prefix) if p}
+    | {p for p in sys.path if p.endswith(("site-packages", "dist-packages"))}
+)
+
+
+def is_library_file(filename: str | None) -> bool:
+    """True for files of the standard library and installed packages (not the user's own code)."""
+    if not filename:
+        return True
+    if filename.startswith("<"):
+        # "<frozen ...>", "<string>"; IPython cells are "<ipython-input-...>" and count as user code.
+        return not filename.startswith("<ipython-input")
+    return filename.startswith(_LIBRARY_PREFIXES) and "site-packages/nitro_ipy" not in filename
+
+
+class _Hasher:
+    __slots__ = ("h", "active", "strict")
+
+    def __init__(self, strict: bool):
+        self.h = hashlib.blake2b(digest_size=16)
+        self.active: set[int] = set()  # ids on the current path: recursion through closures/containers
+        self.strict = strict
+
+    def tag(self, t: bytes):
+        self.h.update(t)
+        self.h.update(b"\x00")
+
+    def text(self, s: str):
+        b = s.encode("utf-8", "surrogatepass")
+        self.h.update(struct.pack("<Q", len(b)))
+        self.h.update(b)
+
+    def raw(self, b: bytes):
+        self.h.update(struct.pack("<Q", len(b)))
+        self.h.update(b)
+
+    def value(self, v, path: str):
+        t = type(v)
+        if v is None or v is Ellipsis or v is NotImplemented:
+            self.tag(repr(v).encode())
+        elif t is bool:
+            self.tag(b"T" if v else b"F")
+        elif t is int:
+            self.tag(b"i")
+            self.text(str(v))
+        elif t is float:
+            self.tag(b"f")
+            self.text("nan" if math.isnan(v) else v.hex())
+        elif t is complex:
+            self.tag(b"c")
+            self.value(v.real, path)
+            self.value(v.imag, path)
+        elif t is str:
+            self.tag(b"s")
+            self.text(v)
+        elif t in (bytes, bytearray):
+            self.tag(b"b")
+            self.raw(bytes(v))
+        elif isinstance(v, enum.Enum):
+            self.tag(b"enum")
+            self.text(_qualname(t))
+            self.text(v.name)
+        elif isinstance(v, np.dtype):
+            self.tag(b"dtype")
+            self.text(v.str if v.names is None else repr(v.descr))
+        elif isinstance(v, type) and _is_scalar_type(v):
+            self.tag(b"dtype")
+            self.text(np.dtype(v).str)
+        elif isinstance(v, (np.ndarray, np.generic)):
+            self.array(np.asarray(v))
+        elif _is_jax_array(v):
+            self.jax_array(v, path)
+        else:
+            self.compound(v, t, path)
+
+    def array(self, a):
+        self.tag(b"nd")
+        self.text(a.dtype.str)
+        self.text(repr(a.shape))
+        if a.dtype.hasobject:
+            for i, item in enumerate(a.ravel()):
+                self.value(item, f"[{i}]")
+        else:
+            self.raw(np.ascontiguousarray(a).tobytes())
+
+    def jax_array(self, v, path):
+        import jax
+
+        if isinstance(v, jax.core.Tracer):
+            raise Unfingerprintable(path, "a JAX tracer (a traced value has no content yet)")
+        self.array(np.asarray(v))
+
+    def compound(self, v, t, path):
+        key = id(v)
+        if key in self.active:
+            self.tag(b"cycle")
+            return
+        self.active.add(key)
+        try:
+            self._compound(v, t, path)
+        finally:
+            self.active.discard(key)
+
+    def _compound(self, v, t, path):
+        if isinstance(v, tuple) and hasattr(t, "_fields"):  # NamedTuple
+            self.tag(b"namedtuple")
+            self.text(_qualname(t))
+            for name, item in zip(t._fields, v):
+                self.text(name)
+                self.value(item, f"{path}.{name}")
+        elif isinstance(v, (tuple, list)):
+            self.tag(b"tuple" if isinstance(v, tuple) else b"list")
+            self.text(_qualname(t))
+            self.text(str(len(v)))
+            for i, item in enumerate(v):
+                self.value(item, f"{path}[{i}]")
+        elif isinstance(v, dict):
+            self.tag(b"dict")
+            self.text(_qualname(t) if t is not dict else "dict")
+            items = sorted((self.sub(k, f"{path} key {k!r}"), k, item) for k, item in v.items())
+            for kfp, k, item in items:
+                self.text(kfp)
+                self.value(item, f"{path}[{k!r}]")
+        elif isinstance(v, (set, frozenset)):
+            self.tag(b"set")
+            for fp in sorted(self.sub(item, f"{path}{{{item!r}}}") for item in v):
+                self.text(fp)
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+            self.tag(b"dataclass")
+            self.text(_qualname(t))
+            for f in dataclasses.fields(v):
+                self.text(f.name)
+                self.value(getattr(v, f.name), f"{path}.{f.name}")
+        elif isinstance(v, functools.partial):
+            self.tag(b"partial")
+            self.value(v.func, f"{path}.func")
+            self.value(v.args, f"{path}.args")
+            self.value(v.keywords, f"{path}.keywords")
+        elif isinstance(v, types.FunctionType):
+            self.function(v, path)
+        elif isinstance(v, types.MethodType):
+            self.tag(b"method")
+            self.value(v.__func__, f"{path}.__func__")
+            self.value(v.__self__, f"{path}.__self__")
+        elif isinstance(v, types.CodeType):
+            self.code(v, path)
+        elif isinstance(v, (types.BuiltinFunctionType, types.ModuleType)):
+            self.tag(b"named")
+            self.text(f"{getattr(v, '__module__', None)}.{v.__name__}")
+        elif isinstance(v, type):
+            self.cls(v, path)
+        elif hasattr(v, "__wrapped__") and callable(v):
+            # jax.jit / jax.checkpoint / functools.wraps wrappers: the wrapped code is the content.
+            self.tag(b"wrapped")
+            self.text(_qualname(t))
+            self.value(v.__wrapped__, f"{path}.__wrapped__")
+        elif hasattr(v, "fun") and type(v).__name__ in ("custom_jvp", "custom_vjp"):
+            self.tag(b"custom")
+            self.text(t.__name__)
+            self.value(v.fun, f"{path}.fun")
+            for rule in ("jvp", "fwd", "bwd"):
+                if getattr(v, rule, None) is not None:
+                    self.value(getattr(v, rule), f"{path}.{rule}")
+        elif isinstance(v, (range, slice)):
+            self.tag(t.__name__.encode())
+            self.value((v.start, v.stop, v.step), path)
+        elif _is_treedef(v):
+            self.tag(b"treedef")
+            self.text(repr(v))
+        else:
+            how = "hashes by identity" if type(v).__hash__ is object.__hash__ else "has no content fingerprint"
+            raise Unfingerprintable(path, f"{t.__qualname__} {how}")
+
+    def sub(self, v, path) -> str:
+        h = _Hasher(self.strict)
+        h.active = self.active
+        h.value(v, path)
+        return h.h.hexdigest()
+
+    def function(self, fn, path):
+        self.tag(b"fn")
+        self.text(fn.__qualname__)
+        self.code(fn.__code__, path)
+        self.value(fn.__defaults__, f"{path}.__defaults__")
+        self.value(fn.__kwdefaults__, f"{path}.__kwdefaults__")
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+            self.text(name)
+            try:
+                contents = cell.cell_contents
+            except ValueError:  # an empty cell: a name assigned later in the enclosing scope
+                self.tag(b"empty")
+                continue
+            self.value(contents, f"{path} (closure cell `{name}`)")
+
+    def code(self, code, path):
+        self.tag(b"code")
+        self.text(code_fingerprint(code))
+
+    def cls(self, c, path):
+        self.tag(b"class")
+        self.text(_qualname(c))
+        module = sys.modules.get(c.__module__)
+        if is_library_file(getattr(module, "__file__", None) if c.__module__ != "__main__" else "<user>"):
+            return
+        for name, attr in sorted(vars(c).items()):
+            if isinstance(attr, (staticmethod, classmethod)):
+                attr = attr.__func__
+            if isinstance(attr, types.FunctionType):
+                self.text(name)
+                self.function(attr, f"{path}.{name}")
+
+
+def _is_scalar_type(t) -> bool:
+    # `np.float32`, `jnp.float32` (a scalar-type wrapper) and friends.
+    try:
+        return issubclass(t, np.generic) or type(t).__name__ == "_ScalarMeta"
+    except TypeError:
+        return False
+
+
+def _is_jax_array(v) -> bool:
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(v, jax.Array)
+
+
+def _is_treedef(v) -> bool:
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(v, jax.tree_util.PyTreeDef)
+
+
+_code_memo: dict[int, tuple[types.CodeType, str]] = {}
+
+
+def code_fingerprint(code: types.CodeType) -> str:
+    """Fingerprint of a code object: bytecode, constants, names, signature; not line numbers or comments.
+
+    Memoized by identity (code objects are immutable); nested code objects (inner functions, lambdas,
+    comprehensions) are fingerprinted recursively.
+    """
+    hit = _code_memo.get(id(code))
+    if hit is not None and hit[0] is code:
+        return hit[1]
+    h = hashlib.blake2b(digest_size=16)
+
+    def put(b: bytes):
+        h.update(struct.pack("<Q", len(b)))
+        h.update(b)
+
+    put(code.co_code)
+    for attr in ("co_argcount", "co_posonlyargcount", "co_kwonlyargcount", "co_flags"):
+        put(str(getattr(code, attr)).encode())
+    for attr in ("co_names", "co_varnames", "co_freevars", "co_cellvars"):
+        put(repr(getattr(code, attr)).encode())
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            put(b"code:" + code_fingerprint(const).encode())
+        else:
+            put(_const_fingerprint(const).encode())
+    digest = h.hexdigest()
+    _code_memo[id(code)] = (code, digest)
+    return digest
+
+
+def _const_fingerprint(const) -> str:
+    # Constants are immutable literals; frozensets and tuples may nest code objects in theory only.
+    hasher = _Hasher(strict=True)
+    hasher.value(const, "<const>")
+    return hasher.h.hexdigest()
+
+
+def fingerprint(value, path: str = "value") -> str:
+    """Content fingerprint of `value`, stable across processes.
+
+    Raises `Unfingerprintable` (with the path inside `value`) for anything that only has identity.
+    """
+    hasher = _Hasher(strict=True)
+    hasher.value(value, path)
+    return hasher.h.hexdigest()
+
+
+def try_fingerprint(value) -> str | None:
+    """`fingerprint(value)`, or `None` where the value has no content fingerprint (it is then untracked)."""
+    try:
+        return fingerprint(value)
+    except Unfingerprintable:
+        return None
+    except Exception:  # a user's object whose attributes raise while we look: untracked, not a crash
+        return None
+
+
+def function_fingerprint(fn) -> str:
+    """Fingerprint of a function: code, defaults and closure cells, recursively."""
+    return fingerprint(fn, getattr(fn, "__qualname__", "function"))
