@@ -35,10 +35,12 @@ def _default_optimizer(self):
     return optax.adam(1e-3)
 
 
-def _record():
-    from . import _closure
-
-    return _closure.record()
+def _recorder():
+    try:
+        from . import _closure
+    except ImportError:  # TEMPORARY while _closure.py is being written
+        return None
+    return _closure.record
 
 
 def _note_class_attr(cls, name, attr):
@@ -298,7 +300,7 @@ class Nitro:
         entry = _cache.lookup(key)
         if entry is None:
             entry = _cache.compile_program(key, build(), args, donate_argnums=donate, info=self._info,
-                                           record=_record)
+                                           record=_recorder())
             _report.emit("compile", _compile_line(entry), entry=entry)
             first = self._kinds_seen.get(kind)
             if first is not None and first.hooks == key.hooks and kind not in self._loops_reported:
@@ -318,7 +320,7 @@ class Nitro:
             f"Something in its key moves every step; every step pays a compile. Usual causes: a GraphConst "
             f"field rebuilt with a new value, an optimizer state whose shape or dtype changes, batch shapes "
             f"that vary.",
-            kind=kind, why=why,
+            program=kind, why=why,
         )
 
     def _options_key(self) -> tuple:
@@ -387,7 +389,7 @@ class Nitro:
         schedules = self._schedules
         gate = [False, False]  # [defer Ctrl-C now, Ctrl-C pending]
         losses, total, n_loss = [], 0.0, 0
-        step0 = self.step
+        hits, grad, opt = 0, None, None
         try:
             with _deferred_interrupts(gate):
                 # First step: resolve both programs (maybe compiling); they stay fixed for the epoch when
@@ -409,10 +411,10 @@ class Nitro:
                     bar.update(1)
                 grad_call, opt_call = grad.call, opt.call
                 next_sync = time.perf_counter() + 0.25
-                hits = 0
                 for batch in batches:
                     if gate[1]:
                         raise KeyboardInterrupt
+                    gate[0] = True  # from here to the stored results, Ctrl-C waits for the step
                     if schedules:
                         self._apply_schedules()
                     if not stable:  # slow path: re-key every step (and report the loop)
@@ -420,10 +422,8 @@ class Nitro:
                         flat_grads, loss = grad.call(self._params, self._dev, batch)
                         opt = self._opt_entry(flat_grads)
                         opt_call = opt.call
-                        gate[0] = True
                         self._params, self._state = opt_call(self._params, flat_grads, self._state, self._dev)
                     else:
-                        gate[0] = True
                         flat_grads, loss = grad_call(self._params, self._dev, batch)
                         self._params, self._state = opt_call(self._params, flat_grads, self._state, self._dev)
                         hits += 2
@@ -439,7 +439,7 @@ class Nitro:
                 if gate[1]:
                     raise KeyboardInterrupt
         finally:
-            if "hits" in locals() and hits:
+            if hits:
                 # Steady-state steps reuse the two resolved entries: each use is a cache hit.
                 grad.hits += hits // 2
                 opt.hits += hits // 2

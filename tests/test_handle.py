@@ -1,0 +1,352 @@
+import dataclasses
+import os
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import nitro_ipy
+from nitro_ipy import Device, GraphConst, Nitro
+
+
+def _data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    return {"x": x, "y": np.sin(x.sum(1)).astype(np.float32)}
+
+
+@dataclasses.dataclass
+class Reg:
+    hidden: GraphConst[int] = 8
+    lr: Device[float] = 1e-2
+    notes: str = ""
+
+    def init(self, rng):
+        k1, k2 = jax.random.split(rng)
+        return {"w1": jax.random.normal(k1, (4, self.hidden)) * 0.5, "w2": jax.random.normal(k2, (self.hidden,)) * 0.5}
+
+    def forward(self, params, *, x):
+        return jnp.tanh(x @ params["w1"]) @ params["w2"]
+
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+
+    def optimizer(self):
+        return optax.adam(self.lr)
+
+
+@dataclasses.dataclass
+class RegDeviceMetric(Reg):
+    @nitro_ipy.metrics("device")
+    def mae(self, outputs, *, y):
+        return {"mae": (jnp.sum(jnp.abs(outputs - y)), outputs.shape[0])}
+
+
+@dataclasses.dataclass
+class RegHostMetric(Reg):
+    def metrics(self, outputs, *, y):
+        return {"mae": (np.sum(np.abs(outputs - y)), len(y))}
+
+
+def _misses_entries():
+    s = nitro_ipy.cache_stats()
+    return s.misses, s.entries
+
+
+def test_construction_compiles_nothing():
+    Nitro(Reg(), data={"train": _data(64)}, batch_size=16, progress=False)
+    assert nitro_ipy.cache_stats() == (0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    "cls, splits, expected",
+    [
+        (Reg, ("train",), 2),  # gradient + optimizer
+        (Reg, ("train", "valid"), 3),  # + evaluation forward
+        (RegHostMetric, ("train", "valid"), 3),  # a host metric is part of no program
+        (RegDeviceMetric, ("train", "valid"), 4),  # + one device metric program
+    ],
+)
+def test_acceptance_counts(cls, splits, expected):
+    data = {"train": _data(128), "valid": _data(64, seed=1)}
+    n = Nitro(cls(), data={s: data[s] for s in splits}, batch_size=16, max_epochs=1, progress=False)
+    n.train()
+    assert _misses_entries() == (expected, expected)
+    n.train(epochs=2)  # more steps and epochs: nothing new compiles
+    assert _misses_entries() == (expected, expected)
+
+
+def test_ragged_valid_split_builds_device_metric_twice_and_forward_once():
+    n = Nitro(RegDeviceMetric(), data={"train": _data(128), "valid": _data(70, seed=1)}, batch_size=16,
+              progress=False)
+    n.train()
+    assert _misses_entries() == (5, 5)
+    kinds = sorted(e.kind for e in nitro_ipy._cache.live_entries())
+    assert kinds == ["eval", "grad", "metric:mae", "metric:mae", "opt"]
+
+
+def test_steady_state_steps_are_hits():
+    n = Nitro(Reg(), data={"train": _data(160)}, batch_size=16, progress=False)
+    n.train()  # 10 steps: 2 misses, then 2 hits per step
+    assert nitro_ipy.cache_stats() == (18, 2, 2)
+
+
+def test_ragged_validation_is_exact_and_padding_invisible():
+    valid = _data(70, seed=3)
+    n = Nitro(RegHostMetric(), data={"train": _data(64), "valid": valid}, batch_size=16, progress=False)
+    got = n.validate()
+    out = np.asarray(Reg().forward(n.params, x=valid["x"]))
+    assert got["loss"] == pytest.approx(float(np.mean((out - valid["y"]) ** 2)), rel=1e-5)
+    assert got["mae"] == pytest.approx(float(np.mean(np.abs(out - valid["y"]))), rel=1e-5)
+    # device metric: same value through the compiled metric program at both widths
+    n2 = Nitro(RegDeviceMetric(), data={"train": _data(64), "valid": valid}, batch_size=16, progress=False)
+    assert n2.validate()["mae"] == pytest.approx(got["mae"], rel=1e-5)
+
+
+def test_training_learns():
+    n = Nitro(Reg(hidden=16, lr=3e-2), data={"train": _data(512), "valid": _data(256, seed=1)}, batch_size=32,
+              max_epochs=15, progress=False)
+    before = n.validate()["loss"]
+    records = n.train()
+    assert len(records) == 15 and records[-1]["epoch"] == 15
+    after = n.validate()["loss"]
+    assert after < 0.25 * before
+    assert records[-1]["valid_loss"] == pytest.approx(after)
+
+
+def test_rebuilt_or_fresh_handle_on_unchanged_code_compiles_nothing():
+    data = {"train": _data(64), "valid": _data(32, seed=1)}
+    n = Nitro(Reg(), data=data, batch_size=16, progress=False)
+    n.train()
+    n.rebuild().train()
+    Nitro(Reg(), data=data, batch_size=16, progress=False).train()
+    assert _misses_entries() == (3, 3)
+
+
+def test_key_rules_graphconst_misses_device_and_host_hit():
+    data = {"train": _data(64)}
+    Nitro(Reg(), data=data, batch_size=16, progress=False).train()
+    Nitro(Reg(lr=0.5, notes="other"), data=data, batch_size=16, progress=False).train()
+    assert _misses_entries() == (2, 2)
+    Nitro(Reg(hidden=4), data=data, batch_size=16, progress=False).train()
+    assert _misses_entries() == (4, 4)
+    why = [e.why for e in nitro_ipy._cache.live_entries() if e.kind == "grad"][-1]
+    assert why.startswith("GraphConst `hidden`: 8 -> 4")
+
+
+def test_rebuild_carries_state_and_leaves_old_handle_whole():
+    n = Nitro(Reg(), data={"train": _data(64)}, batch_size=16, progress=False)
+    n.train()
+    m = n.rebuild()
+    assert m.step == n.step == 4 and m.epoch == 1
+    np.testing.assert_array_equal(np.asarray(m.params["w1"]), np.asarray(n.params["w1"]))
+    m.train()
+    n.train()  # the old handle's buffers were copied, not donated away by `m`
+    assert n.step == m.step == 8
+
+
+def test_accum_matches_one_big_batch():
+    @dataclasses.dataclass
+    class Sgd(Reg):
+        def optimizer(self):
+            return optax.sgd(self.lr)
+
+    data = {"train": _data(32)}
+    one = Nitro(Sgd(), data=data, batch_size=32, progress=False)
+    two = Nitro(Sgd(), data=data, batch_size=16, accum=2, progress=False)
+    one.train()
+    two.train()
+    assert one.step == two.step == 1
+    for k in ("w1", "w2"):
+        np.testing.assert_allclose(np.asarray(one.params[k]), np.asarray(two.params[k]), rtol=1e-5, atol=1e-6)
+    grad_keys = [e.key for e in nitro_ipy._cache.live_entries() if e.kind == "grad"]
+    assert [dict(k.options)["accum"] for k in grad_keys] == [1, 2]
+
+
+def test_schedule_sets_device_field_without_recompiling():
+    seen = []
+
+    def lr(step):
+        seen.append(step)
+        return 0.0 if step >= 2 else 1e-2  # a Python float: coerced to the field's dtype
+
+    n = Nitro(Reg(), data={"train": _data(96)}, batch_size=16, schedules={"lr": lr}, progress=False)
+    n.train()
+    assert seen == [0, 1, 2, 3, 4, 5]
+    assert _misses_entries() == (2, 2)
+    frozen = np.asarray(n.params["w1"]).copy()
+    n.train()  # lr is 0 from step 2 on: adam with lr 0 leaves params unchanged
+    np.testing.assert_array_equal(np.asarray(n.params["w1"]), frozen)
+    assert _misses_entries() == (2, 2)
+
+
+def test_flat_layout_keeps_optimizer_state_small():
+    @dataclasses.dataclass
+    class Deep(Reg):
+        layers: GraphConst[int] = 20
+
+        def init(self, rng):
+            keys = jax.random.split(rng, self.layers)
+            return [{"w": jax.random.normal(k, (4, 4)) * 0.3, "b": jnp.zeros(4)} for k in keys]
+
+        def forward(self, params, *, x):
+            for layer in params:
+                x = jnp.tanh(x @ layer["w"] + layer["b"])
+            return x.sum(-1)
+
+    n = Nitro(Deep(), data={"train": _data(64)}, batch_size=16, progress=False)
+    assert len(jax.tree.leaves(n.params)) == 40
+    assert len(jax.tree.leaves(n.state)) == 3  # adam: count, mu, nu, each one float32 buffer
+    n.train()
+    assert len(jax.tree.leaves(n.state)) == 3
+    tree = Nitro(Deep(), data={"train": _data(64)}, batch_size=16, progress=False, flat_params=False)
+    assert len(jax.tree.leaves(tree.state)) == 81
+
+
+def test_predict_matches_forward_over_ragged_batches():
+    n = Nitro(Reg(), data={"train": _data(64)}, batch_size=16, progress=False)
+    x = _data(37, seed=5)["x"]
+    out = n.predict({"x": x})
+    assert out.shape == (37,)
+    np.testing.assert_allclose(out, np.asarray(Reg().forward(n.params, x=x)), rtol=1e-5, atol=1e-6)
+    n.predict({"x": x[:5]})
+    assert [e.kind for e in nitro_ipy._cache.live_entries()] == ["predict"]
+
+
+def test_function_forms_and_data_hook():
+    @dataclasses.dataclass
+    class WithData(RegHostMetric):
+        def data(self):
+            return {"train": _data(64), "valid": _data(32, seed=1), "test": _data(20, seed=2)}
+
+    n = Nitro(WithData(), batch_size=16, progress=False)
+    nitro_ipy.train(n)
+    assert set(nitro_ipy.validate(n)) == {"loss", "mae"}
+    assert nitro_ipy.evaluate(n, "test") == n.evaluate("test")
+    assert nitro_ipy.predict(n, {"x": _data(3)["x"]}).shape == (3,)
+
+
+def test_host_metric_sum_without_count():
+    @dataclasses.dataclass
+    class Confusion(Reg):
+        def metrics(self, outputs, *, y):
+            pred, true = (outputs > 0).astype(int), (y > 0).astype(int)
+            m = np.zeros((2, 2), np.int64)
+            np.add.at(m, (true, pred), 1)
+            return {"confusion": (m, None)}
+
+    valid = _data(50, seed=1)
+    n = Nitro(Confusion(), data={"train": _data(64), "valid": valid}, batch_size=16, progress=False)
+    m = n.validate()["confusion"]
+    assert m.shape == (2, 2) and m.sum() == 50
+
+
+def test_progress_reports_compiles(capsys):
+    n = Nitro(Reg(), data={"train": _data(64)}, batch_size=16)
+    n.train()
+    out = capsys.readouterr().out
+    assert "nitro_ipy: compiled grad [forward, loss] in " in out
+    assert "nitro_ipy: compiled opt [optimizer] in " in out
+    assert "nitro_ipy: epoch 1 | loss " in out
+
+
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+def test_recompile_loop_is_reported_once(capsys):
+    def growing():
+        # A transformation whose state grows every step: the optimizer program's key moves each step.
+        def init(params):
+            return jnp.zeros((1,))
+
+        def update(updates, state, params=None):
+            return jax.tree.map(lambda g: -0.01 * g, updates), jnp.concatenate([state, jnp.zeros((1,))])
+
+        return optax.GradientTransformation(init, update)
+
+    @dataclasses.dataclass
+    class Loop(Reg):
+        def optimizer(self):
+            return growing()
+
+    n = Nitro(Loop(), data={"train": _data(80)}, batch_size=16, progress=False)
+    n.train()
+    out = capsys.readouterr().out
+    assert nitro_ipy.cache_stats().misses == 1 + 5  # grad once, opt at every one of the 5 steps
+    assert out.count("recompile loop") == 1
+    assert "the `opt` program compiled again after step 1 (argument `opt_state` shape: [1] -> [2])" in out
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_missing_hook_and_wrong_signature():
+    @dataclasses.dataclass
+    class NoForward:
+        def init(self, rng):
+            return {}
+
+    with pytest.raises(nitro_ipy.NitroTypeError, match=r"has no `forward` hook; add `def forward\(self, params"):
+        Nitro(NoForward(), data={"train": _data(16)})
+
+    @dataclasses.dataclass
+    class BadForward(Reg):
+        def forward(self):
+            return 0
+
+    with pytest.raises(TypeError, match=r"hook `.*BadForward.forward\(self\)` takes too few positional"):
+        Nitro(BadForward(), data={"train": _data(16)})
+
+
+def test_batch_field_no_split_provides():
+    @dataclasses.dataclass
+    class WantsMask(Reg):
+        def loss(self, outputs, *, y, mask):
+            return jnp.mean(mask * (outputs - y) ** 2)
+
+    with pytest.raises(nitro_ipy.NitroValueError) as err:
+        Nitro(WantsMask(), data={"train": _data(16)})
+    assert str(err.value).startswith(
+        "hook `test_batch_field_no_split_provides.<locals>.WantsMask.loss` wants batch field `mask`, which "
+        "split `train` does not provide (it has `x`, `y`)."
+    )
+
+
+def test_unequal_split_lengths():
+    data = _data(16)
+    data["y"] = data["y"][:10]
+    with pytest.raises(nitro_ipy.NitroValueError, match=r"split `train` have different lengths \(`x`: 16, `y`: 10\)"):
+        Nitro(Reg(), data={"train": data})
+
+
+def test_schedule_for_non_device_field():
+    with pytest.raises(nitro_ipy.NitroValueError, match=r"schedule for `hidden`, which is not a Device field"):
+        Nitro(Reg(), data={"train": _data(16)}, schedules={"hidden": lambda s: 4})
+
+
+def test_non_finite_loss():
+    @dataclasses.dataclass
+    class Explodes(Reg):
+        def loss(self, outputs, *, y):
+            return jnp.mean(jnp.log(outputs * 0.0))  # log(0) = -inf
+
+    n = Nitro(Explodes(), data={"train": _data(64)}, batch_size=16, progress=False)
+    with pytest.raises(nitro_ipy.NonFiniteLossError, match=r"the training loss became -inf at step 1 \(epoch 1\)"):
+        n.train()
+
+
+def test_interrupt_mid_epoch_leaves_handle_usable():
+    def lr(step):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while step 3 is being dispatched
+        return 1e-2
+
+    n = Nitro(Reg(), data={"train": _data(160)}, batch_size=16, schedules={"lr": lr}, progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        n.train()
+    assert n.step == 4  # the step in flight finished and stored its results
+    assert not any(x.is_deleted() for x in jax.tree.leaves((n.params, n.state)))
+    n.train()
+    assert n.step == 14
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
