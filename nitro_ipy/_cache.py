@@ -163,7 +163,6 @@ def compile_program(
     `record`, when given, is a context-manager factory that records the trace's dependency closure;
     its result (the `closure` attribute of the manager) lands on the entry.
     """
-    _state.misses += 1
     why = explain_miss(key, info or {})
     jitted = jax.jit(fn, donate_argnums=donate_argnums)
     t0 = time.perf_counter()
@@ -177,6 +176,8 @@ def compile_program(
     compiled = lowered.compile()
     t2 = time.perf_counter()
     entry = Entry(key, compiled, t1 - t0, t2 - t1, closure, info or {}, why, world=_world.world())
+    # A trace that raised (a bug in a hook) stored nothing, so it counts nothing: misses == entries holds.
+    _state.misses += 1
     _state.entries[key] = entry
     for fn_ in _on_compile:
         fn_(entry)
@@ -184,6 +185,10 @@ def compile_program(
 
 
 _on_compile: list[Callable[[Entry], None]] = []
+
+# Called with no arguments at the handle's periodic sync points in the step loop (about every 0.25 s),
+# so a live front end (the notebook panel) can refresh mid-epoch without a per-step cost.
+_on_progress: list[Callable[[], None]] = []
 
 
 def explain_miss(key: Key, info: dict) -> str | None:

@@ -68,13 +68,18 @@ def _marker_of(cls, name: str, annotation) -> _Marker:
         )
     if found:
         return found[0]
-    inner = typing.get_origin(annotation)
-    if inner is not None and any(isinstance(a, _MarkerAlias) for a in typing.get_args(annotation)):
+    if any(_has_marker(a) for a in typing.get_args(annotation)):
         raise NitroTypeError(
             f"field `{cls.__qualname__}.{name}` has a marker nested inside `{annotation}`; markers go "
             f"outermost: write `GraphConst[Optional[int]]`, not `Optional[GraphConst[int]]`."
         )
     return _HOST
+
+
+def _has_marker(tp) -> bool:
+    if isinstance(tp, _MarkerAlias) or any(isinstance(m, _Marker) for m in getattr(tp, "__metadata__", ())):
+        return True
+    return any(_has_marker(a) for a in typing.get_args(tp))
 
 
 def _check_dataclass(cls_or_obj):
@@ -233,19 +238,21 @@ def assert_graphconst_hashable(e) -> None:
     import copy
 
     from ._errors import GraphConstHashError
-    from ._fingerprint import Unfingerprintable, fingerprint
+    from ._fingerprint import Unfingerprintable, fingerprint, fingerprint_with_callables
 
     for name in graphconst_fields(e):
         value = getattr(e, name)
         try:
-            fp = fingerprint(value, name)
+            fp, callables = fingerprint_with_callables(value, name)
         except Unfingerprintable as err:
             raise GraphConstHashError(
                 f"GraphConst field `{name}` cannot be part of the compile key: `{err.path}`: {err.what}. "
                 + _HASHABLE_FIX
             ) from None
         try:
-            twin = copy.deepcopy(value)
+            # Callables are kept as they are, as `copy` does for plain functions: a deep-copied jit
+            # wrapper or partial is a new identity with the same content, which proves nothing.
+            twin = copy.deepcopy(value, {id(c): c for c in callables})
         except Exception as err:
             raise GraphConstHashError(
                 f"GraphConst field `{name}` cannot be deep-copied ({type(err).__name__}: {err}). "

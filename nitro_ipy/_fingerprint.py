@@ -50,12 +50,15 @@ def is_library_file(filename: str | None) -> bool:
 
 
 class _Hasher:
-    __slots__ = ("h", "active", "strict")
+    __slots__ = ("h", "active", "strict", "callables")
 
     def __init__(self, strict: bool):
         self.h = hashlib.blake2b(digest_size=16)
         self.active: set[int] = set()  # ids on the current path: recursion through closures/containers
         self.strict = strict
+        # Callable wrappers met on the way (partials, jit wrappers): content-fingerprinted here, but
+        # `copy.deepcopy` would break or re-identify them, so the hashability check keeps them as they are.
+        self.callables: list = []
 
     def tag(self, t: bytes):
         self.h.update(t)
@@ -96,12 +99,13 @@ class _Hasher:
             self.tag(b"enum")
             self.text(_qualname(t))
             self.text(v.name)
+            self.value(v.value, f"{path}.value")
         elif isinstance(v, np.dtype):
             self.tag(b"dtype")
-            self.text(v.str if v.names is None else repr(v.descr))
+            self.text(_dtype_text(v))
         elif isinstance(v, type) and _is_scalar_type(v):
             self.tag(b"dtype")
-            self.text(np.dtype(v).str)
+            self.text(_dtype_text(np.dtype(v)))
         elif isinstance(v, (np.ndarray, np.generic)):
             self.array(np.asarray(v))
         elif _is_jax_array(v):
@@ -111,7 +115,7 @@ class _Hasher:
 
     def array(self, a):
         self.tag(b"nd")
-        self.text(a.dtype.str)
+        self.text(_dtype_text(a.dtype))
         self.text(repr(a.shape))
         if a.dtype.hasobject:
             for i, item in enumerate(a.ravel()):
@@ -153,10 +157,10 @@ class _Hasher:
         elif isinstance(v, dict):
             self.tag(b"dict")
             self.text(_qualname(t) if t is not dict else "dict")
-            items = sorted((self.sub(k, f"{path} key {k!r}"), k, item) for k, item in v.items())
-            for kfp, k, item in items:
+            pairs = sorted((self.sub(k, f"{path} key {k!r}"), self.sub(item, f"{path}[{k!r}]")) for k, item in v.items())
+            for kfp, vfp in pairs:
                 self.text(kfp)
-                self.value(item, f"{path}[{k!r}]")
+                self.text(vfp)
         elif isinstance(v, (set, frozenset)):
             self.tag(b"set")
             for fp in sorted(self.sub(item, f"{path}{{{item!r}}}") for item in v):
@@ -168,6 +172,7 @@ class _Hasher:
                 self.text(f.name)
                 self.value(getattr(v, f.name), f"{path}.{f.name}")
         elif isinstance(v, functools.partial):
+            self.callables.append(v)
             self.tag(b"partial")
             self.value(v.func, f"{path}.func")
             self.value(v.args, f"{path}.args")
@@ -180,23 +185,25 @@ class _Hasher:
             self.value(v.__self__, f"{path}.__self__")
         elif isinstance(v, types.CodeType):
             self.code(v, path)
-        elif isinstance(v, (types.BuiltinFunctionType, types.ModuleType)):
+        elif isinstance(v, (types.BuiltinFunctionType, types.ModuleType, np.ufunc)):
             self.tag(b"named")
             self.text(f"{getattr(v, '__module__', None)}.{v.__name__}")
         elif isinstance(v, type):
             self.cls(v, path)
-        elif hasattr(v, "__wrapped__") and callable(v):
-            # jax.jit / jax.checkpoint / functools.wraps wrappers: the wrapped code is the content.
-            self.tag(b"wrapped")
-            self.text(_qualname(t))
-            self.value(v.__wrapped__, f"{path}.__wrapped__")
         elif hasattr(v, "fun") and type(v).__name__ in ("custom_jvp", "custom_vjp"):
+            self.callables.append(v)
             self.tag(b"custom")
             self.text(t.__name__)
             self.value(v.fun, f"{path}.fun")
             for rule in ("jvp", "fwd", "bwd"):
                 if getattr(v, rule, None) is not None:
                     self.value(getattr(v, rule), f"{path}.{rule}")
+        elif hasattr(v, "__wrapped__") and callable(v):
+            # jax.jit / jax.checkpoint / functools.wraps wrappers: the wrapped code is the content.
+            self.callables.append(v)
+            self.tag(b"wrapped")
+            self.text(_qualname(t))
+            self.value(v.__wrapped__, f"{path}.__wrapped__")
         elif isinstance(v, (range, slice)):
             self.tag(t.__name__.encode())
             self.value((v.start, v.stop, v.step), path)
@@ -210,6 +217,7 @@ class _Hasher:
     def sub(self, v, path) -> str:
         h = _Hasher(self.strict)
         h.active = self.active
+        h.callables = self.callables
         h.value(v, path)
         return h.h.hexdigest()
 
@@ -236,7 +244,7 @@ class _Hasher:
         self.tag(b"class")
         self.text(_qualname(c))
         module = sys.modules.get(c.__module__)
-        if is_library_file(getattr(module, "__file__", None) if c.__module__ != "__main__" else "<user>"):
+        if c.__module__ != "__main__" and is_library_file(getattr(module, "__file__", None)):
             return
         for name, attr in sorted(vars(c).items()):
             if isinstance(attr, (staticmethod, classmethod)):
@@ -244,6 +252,11 @@ class _Hasher:
             if isinstance(attr, types.FunctionType):
                 self.text(name)
                 self.function(attr, f"{path}.{name}")
+
+
+def _dtype_text(dt: np.dtype) -> str:
+    # `dt.str` alone is "<V1" for every one-byte ml_dtype (float8 variants, int4, ...): add the name.
+    return f"{dt.str}:{dt.name}" if dt.names is None else repr(dt.descr)
 
 
 def _is_scalar_type(t) -> bool:
@@ -309,9 +322,14 @@ def fingerprint(value, path: str = "value") -> str:
 
     Raises `Unfingerprintable` (with the path inside `value`) for anything that only has identity.
     """
+    return fingerprint_with_callables(value, path)[0]
+
+
+def fingerprint_with_callables(value, path: str = "value") -> tuple[str, list]:
+    """`fingerprint(value)` and the callable wrappers (partials, jit wrappers) met inside it."""
     hasher = _Hasher(strict=True)
     hasher.value(value, path)
-    return hasher.h.hexdigest()
+    return hasher.h.hexdigest(), hasher.callables
 
 
 def try_fingerprint(value) -> str | None:

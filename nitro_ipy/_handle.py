@@ -435,15 +435,14 @@ class Nitro:
                     if time.perf_counter() > next_sync:
                         total, n_loss = self._check_losses(losses, total, n_loss, bar)
                         losses = []
+                        _fold_hits(grad, opt, hits)
+                        hits = 0
+                        _progress_callbacks()
                         next_sync = time.perf_counter() + 0.25
                 if gate[1]:
                     raise KeyboardInterrupt
         finally:
-            if hits:
-                # Steady-state steps reuse the two resolved entries: each use is a cache hit.
-                grad.hits += hits // 2
-                opt.hits += hits // 2
-                _cache._state.hits += hits
+            _fold_hits(grad, opt, hits)
             if bar is not None:
                 bar.close()
         total, n_loss = self._check_losses(losses, total, n_loss, None)
@@ -576,6 +575,24 @@ def _accumulate(sums: dict, hook_name: str, result):
             sums[name] = (s0 + s, None if c is None else c0 + c)
         else:
             sums[name] = (s, c)
+
+
+def _fold_hits(grad, opt, hits: int):
+    """Steady-state steps reuse the two entries resolved at the first step; each use is a cache hit,
+    counted in a local and folded into the counters at sync points rather than paid per step."""
+    if hits:
+        grad.hits += hits // 2
+        opt.hits += hits // 2
+        _cache._state.hits += hits
+
+
+def _progress_callbacks():
+    """Front ends (the notebook panel) refresh at the step loop's sync points, never per step."""
+    for fn in _cache._on_progress:
+        try:
+            fn()
+        except Exception:  # a panel failing must never stop training
+            pass
 
 
 def _returns_its_inputs(opt_entry) -> bool:

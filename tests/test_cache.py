@@ -1,0 +1,276 @@
+"""The module-level compile cache: what moves the key, exact counts, miss explanations, poisoning."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import nitro_ipy
+from nitro_ipy import CacheStats, Device, GraphConst, Host, Nitro
+from nitro_ipy import _cache
+
+
+def _split(n, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    return {"x": x, "y": np.sin(x.sum(1)).astype(np.float32)}
+
+
+DATA = {"train": _split(64)}  # two steps per epoch at batch_size=32
+
+
+@dataclasses.dataclass
+class Reg:
+    hidden: GraphConst[int] = 16
+    lr: Device[float] = 1e-3
+    seed_note: Host[int] = 0
+    notes: str = ""
+
+    def init(self, rng):
+        k1, k2 = jax.random.split(rng)
+        return {
+            "w1": jax.random.normal(k1, (4, self.hidden)) * 0.1,
+            "w2": jax.random.normal(k2, (self.hidden,)) * 0.1,
+        }
+
+    def forward(self, params, *, x):
+        return jnp.tanh(x @ params["w1"]) @ params["w2"]
+
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+
+    def optimizer(self):
+        return optax.adam(self.lr)
+
+
+def _train(e, batch_size=32, data=DATA, **kw):
+    n = Nitro(e, data=data, batch_size=batch_size, progress=False, **kw)
+    n.train()
+    return n
+
+
+def _entries(kind):
+    return [e for e in _cache.live_entries() if e.kind == kind]
+
+
+# ---------------------------------------------------------------- stats
+
+
+def test_cache_stats_is_a_namedtuple():
+    stats = nitro_ipy.cache_stats()
+    assert isinstance(stats, CacheStats) and isinstance(stats, tuple)
+    assert CacheStats._fields == ("hits", "misses", "entries")
+    assert stats == CacheStats(hits=0, misses=0, entries=0)
+
+
+def test_construction_compiles_nothing():
+    Nitro(Reg(), data=DATA, batch_size=32, progress=False)
+    assert nitro_ipy.cache_stats() == (0, 0, 0)
+
+
+def test_train_only_run_compiles_gradient_and_optimizer():
+    _train(Reg())
+    # 2 steps x 2 programs = 4 uses: the first two compile, the other two are hits.
+    assert nitro_ipy.cache_stats() == CacheStats(hits=2, misses=2, entries=2)
+    assert sorted(e.kind for e in _cache.live_entries()) == ["grad", "opt"]
+
+
+def test_misses_do_not_grow_with_steps_or_epochs():
+    n = _train(Reg(), batch_size=8, max_epochs=3)  # 8 steps per epoch, 24 steps
+    s = nitro_ipy.cache_stats()
+    assert (s.misses, s.entries) == (2, 2)
+    assert s.hits + s.misses == 2 * 24
+    n.train()
+    s = nitro_ipy.cache_stats()
+    assert (s.misses, s.entries) == (2, 2)
+    assert s.hits + s.misses == 2 * 48
+
+
+def test_cache_reset_zeroes_and_empties():
+    _train(Reg())
+    assert nitro_ipy.cache_stats() != (0, 0, 0)
+    nitro_ipy.cache_reset()
+    assert nitro_ipy.cache_stats() == CacheStats(0, 0, 0)
+    assert _cache.live_entries() == [] and _cache.poisoned_entries() == []
+    _train(Reg())  # and the next run compiles again
+    assert nitro_ipy.cache_stats() == CacheStats(2, 2, 2)
+
+
+# ---------------------------------------------------------------- what moves the key
+
+
+def test_graphconst_change_misses():
+    _train(Reg(hidden=16))
+    _train(Reg(hidden=8))
+    assert nitro_ipy.cache_stats() == CacheStats(hits=4, misses=4, entries=4)
+
+
+def test_device_value_change_hits():
+    _train(Reg(lr=1e-3))
+    _train(Reg(lr=0.5))
+    _train(Reg(lr=np.float32(0.01)))
+    assert nitro_ipy.cache_stats() == CacheStats(hits=2 + 4 + 4, misses=2, entries=2)
+
+
+def test_host_change_hits():
+    _train(Reg())
+    _train(Reg(notes="a different note", seed_note=7))
+    assert nitro_ipy.cache_stats() == CacheStats(hits=6, misses=2, entries=2)
+
+
+def test_equal_graphconst_built_again_hits():
+    _train(Reg(hidden=16))
+    _train(Reg(hidden=int("16")))
+    assert nitro_ipy.cache_stats() == CacheStats(hits=6, misses=2, entries=2)
+
+
+def test_new_batch_size_misses_gradient_only():
+    _train(Reg(), batch_size=32)
+    _train(Reg(), batch_size=16)  # 4 steps: grad recompiles, opt (no batch argument) is reused
+    assert nitro_ipy.cache_stats() == CacheStats(hits=2 + 7, misses=3, entries=3)
+    assert len(_entries("grad")) == 2 and len(_entries("opt")) == 1
+
+
+def test_validation_adds_one_program():
+    data = {"train": _split(64), "valid": _split(40, seed=1)}  # ragged: 40 = 32 + 8
+    _train(Reg(), data=data)
+    s = nitro_ipy.cache_stats()
+    assert (s.misses, s.entries) == (3, 3)
+    assert sorted(e.kind for e in _cache.live_entries()) == ["eval", "grad", "opt"]
+
+
+def test_two_experiment_types_never_share_programs():
+    @dataclasses.dataclass
+    class Twin(Reg):
+        pass
+
+    _train(Reg())
+    _train(Twin())
+    assert nitro_ipy.cache_stats() == CacheStats(hits=4, misses=4, entries=4)
+
+
+# ---------------------------------------------------------------- miss explanations
+
+
+def test_first_compile_has_no_explanation():
+    _train(Reg())
+    assert [e.why for e in _cache.live_entries()] == [None, None]
+
+
+def test_graphconst_miss_names_the_field():
+    _train(Reg(hidden=16))
+    before = set(map(id, _cache.live_entries()))
+    _train(Reg(hidden=8))
+    new = [e for e in _cache.live_entries() if id(e) not in before]
+    assert sorted(e.kind for e in new) == ["grad", "opt"]
+    grad = next(e for e in new if e.kind == "grad")
+    assert grad.why == (
+        "GraphConst `hidden`: 16 -> 8; argument `params['w1']` shape: [4, 16] -> [4, 8]; "
+        "argument `params['w2']` shape: [16] -> [8]"
+    )
+    opt = next(e for e in new if e.kind == "opt")
+    assert opt.why.startswith("GraphConst `hidden`: 16 -> 8; ")
+
+
+def test_batch_size_miss_names_the_argument_and_shapes():
+    _train(Reg(), batch_size=32)
+    before = set(map(id, _cache.live_entries()))
+    _train(Reg(), batch_size=16)
+    (grad,) = [e for e in _cache.live_entries() if id(e) not in before]
+    assert grad.kind == "grad"
+    assert grad.why == (
+        "argument `batch['x']` shape: [32, 4] -> [16, 4]; argument `batch['y']` shape: [32] -> [16]"
+    )
+
+
+def test_compile_line_carries_the_explanation(capsys):
+    _train(Reg(hidden=16))
+    capsys.readouterr()
+    _train(Reg(hidden=8))
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("nitro_ipy: compiled grad")]
+    assert len(lines) == 1
+    assert lines[0].endswith(
+        "(GraphConst `hidden`: 16 -> 8; argument `params['w1']` shape: [4, 16] -> [4, 8]; "
+        "argument `params['w2']` shape: [16] -> [8])"
+    )
+
+
+def _sig(path, shape, dtype="float32", weak=False, sharding=None):
+    return _cache.ArgSig(path, shape, dtype, weak, sharding)
+
+
+def test_diff_args_formats_shape_dtype_and_weak_type():
+    old = ("tree", (_sig("batch['x']", (32, 4)), _sig("lr", (), "float32", True)))
+    new = ("tree", (_sig("batch['x']", (32, 4), "int32"), _sig("lr", (), "float32", False)))
+    assert _cache._diff_args(old, new) == [
+        "argument `batch['x']` dtype: float32 -> int32",
+        "argument `lr` weak_type: True -> False",
+    ]
+    assert _cache._diff_args(old, ("other tree", old[1])) == ["argument structure: tree -> other tree"]
+
+
+def test_arg_signature_labels_positional_arguments():
+    tree, sigs = _cache.arg_signature(({"w": np.zeros((2, 3), np.float32)}, {"x": np.zeros(4, np.int32)}),
+                                      ("params", "batch"))
+    assert [(s.path, s.shape, s.dtype, s.weak) for s in sigs] == [
+        ("params['w']", (2, 3), "float32", False),
+        ("batch['x']", (4,), "int32", False),
+    ]
+
+
+def test_explanations_only_compare_the_same_kind_and_owner():
+    @dataclasses.dataclass
+    class Other(Reg):
+        pass
+
+    _train(Reg())
+    _train(Other(hidden=8))  # another owner: no similar entry to compare with
+    other = [e for e in _cache.live_entries() if e.key.owner.endswith("Other")]
+    assert len(other) == 2 and [e.why for e in other] == [None, None]
+
+
+# ---------------------------------------------------------------- poisoning
+
+
+def test_poisoned_entry_is_never_served_again(capsys):
+    n = _train(Reg())
+    (grad,) = _entries("grad")
+    _cache.poison(grad, ["__main__.f"])
+    assert grad.poisoned and grad.drifted == ("__main__.f",)
+    assert _cache.poisoned_entries() == [grad]
+    assert grad not in _cache.live_entries()
+    assert nitro_ipy.cache_stats() == CacheStats(hits=2, misses=2, entries=1)
+
+    _train(Reg())  # a new handle: the grad program recompiles, the optimizer is still served
+    assert nitro_ipy.cache_stats() == CacheStats(hits=2 + 3, misses=3, entries=2)
+    (fresh,) = _entries("grad")
+    assert fresh is not grad and not fresh.poisoned
+    assert fresh.why == "recompiling against edited code: __main__.f"
+    assert _cache.poisoned_entries() == [grad]
+
+    # The old handle keeps running the program it holds (fixed point) and says so.
+    capsys.readouterr()
+    n.train()
+    out = capsys.readouterr().out
+    assert "! this handle's compiled programs had dependency methods redefined: __main__.f (grad)" in out
+    assert nitro_ipy.cache_stats().misses == 3
+
+
+def test_poison_is_idempotent():
+    _train(Reg())
+    (grad,) = _entries("grad")
+    _cache.poison(grad, ["__main__.f"])
+    _cache.poison(grad, ["__main__.g"])
+    assert _cache.poisoned_entries() == [grad]
+    assert grad.drifted == ("__main__.f",)
+
+
+def test_reset_forgets_poisoned_entries():
+    _train(Reg())
+    _cache.poison(_entries("grad")[0], ["__main__.f"])
+    nitro_ipy.cache_reset()
+    assert _cache.poisoned_entries() == []
+    _train(Reg())
+    assert [e.why for e in _entries("grad")] == [None]
