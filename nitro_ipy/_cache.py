@@ -105,6 +105,7 @@ class _State:
         self.hits = 0
         self.misses = 0
         self.scanned_world = -1
+        self.disk_reported: set[str] = set()
 
 
 _state = _State()
@@ -167,11 +168,14 @@ def compile_program(
     jitted = jax.jit(fn, donate_argnums=donate_argnums)
     t0 = time.perf_counter()
     if record is not None:
+        # Only the trace runs user Python; lowering outside the recorder keeps its cost off 3.11's
+        # profiler hook.
         with record() as recorder:
-            lowered = jitted.lower(*args)
+            traced = jitted.trace(*args)
         closure = recorder.closure
     else:
-        lowered, closure = jitted.lower(*args), None
+        traced, closure = jitted.trace(*args), None
+    lowered = traced.lower()
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
@@ -285,7 +289,14 @@ def _scan() -> None:
             names.extend(n for n in drifted if n not in names)
         else:
             disk.extend(n for n in closure.disk_edits(memo) if n not in disk)
+    # Said once per edit: a name stays reported until it stops being a pending disk edit (reloaded).
+    _state.disk_reported &= set(disk)
+    disk = [n for n in disk if n not in _state.disk_reported]
+    _state.disk_reported.update(disk)
     if poisoned:
+        # JAX caches the traces of the user's own inner `jax.jit` / `checkpoint` functions by identity;
+        # a recompile would otherwise rebuild around the old inner trace of a helper that changed.
+        jax.clear_caches()
         kinds = ", ".join(sorted({e.kind for e in poisoned}))
         _report.emit(
             "stale-cache",

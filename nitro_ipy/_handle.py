@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import optax
 
-from . import _cache, _report, _world
+from . import _cache, _closure, _report
 from ._data import check_splits, eval_batches, split_len, steps_per_epoch, train_batches
 from ._errors import NitroTypeError, NitroValueError, NonFiniteLossError
 from ._fields import (
@@ -35,18 +35,6 @@ def _default_optimizer(self):
     return optax.adam(1e-3)
 
 
-def _recorder():
-    try:
-        from . import _closure
-    except ImportError:  # TEMPORARY while _closure.py is being written
-        return None
-    return _closure.record
-
-
-def _note_class_attr(cls, name, attr):
-    from . import _closure
-
-    _closure.note_class_attr(cls, name, attr)
 
 
 def _short_repr(value, limit: int = 60) -> str:
@@ -250,7 +238,7 @@ class Nitro:
 
     # ---------------------------------------------------------------- setup helpers
     def _view(self, dev) -> CompileView:
-        return CompileView(self._cls, {**self._gc_values, **dev}, self._hosts, _note_class_attr)
+        return CompileView(self._cls, {**self._gc_values, **dev}, self._hosts, _closure.note_class_attr)
 
     def _check_routes(self):
         for split_name, split in self._splits.items():
@@ -300,7 +288,7 @@ class Nitro:
         entry = _cache.lookup(key)
         if entry is None:
             entry = _cache.compile_program(key, build(), args, donate_argnums=donate, info=self._info,
-                                           record=_recorder())
+                                           record=_closure.record)
             _report.emit("compile", _compile_line(entry), entry=entry)
             first = self._kinds_seen.get(kind)
             if first is not None and first.hooks == key.hooks and kind not in self._loops_reported:

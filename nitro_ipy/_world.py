@@ -3,7 +3,10 @@
 Staleness scans are memoized on it, so an entry point that follows no bump pays one integer comparison.
 """
 
+import threading
+
 _world = 0
+_lock = threading.Lock()  # the file watcher bumps from its own thread
 
 
 def world() -> int:
@@ -18,5 +21,6 @@ def bump_world() -> int:
     `importlib.reload` or any other redefinition.
     """
     global _world
-    _world += 1
-    return _world
+    with _lock:
+        _world += 1
+        return _world

@@ -1,0 +1,1087 @@
+"""Dependency closures: what a compiled program's trace ran and read, and whether any of it has moved.
+
+While `jax.jit(fn).lower(*args)` traces, `record()` notes every *user* Python function the trace executes
+(anything outside the standard library, installed packages and nitro_ipy itself: notebook cells, the
+user's own module files). At exit it turns those into a `Closure`:
+
+- `FuncDep` per function: module, qualified name and `code_fingerprint` (bytecode, constants, names; not
+  line numbers or comments), plus a digest of the source file for "edited on disk, not loaded yet";
+- `ValueDep` per global name those functions load (`LOAD_GLOBAL`), with a content fingerprint, and per
+  `user_module.attr` they read; `ClassAttrDep` per attribute read through the compile view
+  (`note_class_attr`); `CellDep` per closure cell of a closure made before the trace;
+- `untracked`: values read that have no content fingerprint. They are listed, never assumed unchanged.
+
+JAX caches traces by function identity, so the Python of an inner `jax.jit(helper)`, `jax.checkpoint`,
+or a `lax.scan` body may not run on a second trace. Every user function reachable from a recorded global
+(plain, `__wrapped__`, `functools.partial`, `custom_jvp`/`custom_vjp`) is therefore added statically,
+with the globals it reads, recursively.
+
+`Closure.drift(memo)` re-resolves each dependency by name against the live namespaces
+(`sys.modules[module]`, then a static attribute chain over the qualified name; `<locals>` functions are
+found among the enclosing function's nested code objects) and names what moved. A dependency that did not
+resolve by name even at record time (a module-level lambda, a class defined inside a function, a function
+rebound under another name) is "anonymous": it is listed in `Closure.anonymous` and covered through the
+global, class attribute or GraphConst field that holds it. A scan that follows no redefinition is cheap:
+each value keeps weak references to the objects it was made of (an "identity snapshot"), so an unchanged
+global is recognized by identity and only mutable contents (NumPy arrays, objects) are hashed again.
+
+Recording uses `sys.monitoring` (Python 3.12+, `PY_START`, library code disabled after its first call)
+or `sys.setprofile` (3.11, or when no monitoring tool id is free). Nested recorders in one thread share
+the hook and every active recorder receives every event: an outer recording also depends on what an
+inner one traced. Recorders in other threads are independent.
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+import hashlib
+import os
+import sys
+import threading
+import types
+import weakref
+from typing import NamedTuple
+
+from ._fingerprint import Unfingerprintable, code_fingerprint, fingerprint, is_library_file
+
+__all__ = [
+    "CellDep",
+    "ClassAttrDep",
+    "Closure",
+    "FuncDep",
+    "Recorder",
+    "ValueDep",
+    "note_class_attr",
+    "record",
+]
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_MISSING = object()
+_SKIP = object()  # a value not worth recording at all: a tracer (trace-internal, not external state)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Dependency records
+
+
+class FuncDep(NamedTuple):
+    """A user function the program depends on.
+
+    `file_digest` is a hash of the source file's bytes at record time; `None` for notebook cells.
+    """
+
+    module: str
+    qualname: str
+    fingerprint: str
+    filename: str
+    file_digest: str | None
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+
+class ValueDep(NamedTuple):
+    """A global `module.name` read by a dependency; `fingerprint` is `None` when it has none (untracked)."""
+
+    module: str
+    name: str
+    fingerprint: str | None
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+class ClassAttrDep(NamedTuple):
+    """An attribute `name` of class `module.cls_qualname` read through the compile view."""
+
+    module: str
+    cls_qualname: str
+    name: str
+    fingerprint: str | None
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.module}.{self.cls_qualname}.{self.name}"
+
+
+class CellDep(NamedTuple):
+    """A closure cell `var` of function `module.qualname`, as seen when the trace called it.
+
+    Informational: drift of a closure's cells is caught through whatever holds the closure (a global, a
+    class attribute, a GraphConst field); unfingerprintable cells are listed in `untracked`.
+    """
+
+    module: str
+    qualname: str
+    var: str
+    fingerprint: str | None
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.module}.{self.qualname}.{self.var}"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Classification: whose code is this?
+
+_file_verdicts: dict[str, bool] = {}
+
+
+def _classify_file(filename: str) -> bool:
+    verdict = not is_library_file(filename)
+    if verdict and not filename.startswith("<"):
+        verdict = not os.path.abspath(filename).startswith(_PACKAGE_DIR)
+    _file_verdicts[filename] = verdict
+    return verdict
+
+
+def _is_user_file(filename: str) -> bool:
+    """True for code the user wrote: notebook cells and the user's own files (not nitro_ipy's)."""
+    verdict = _file_verdicts.get(filename)
+    return _classify_file(filename) if verdict is None else verdict
+
+
+def _is_user_module(name: str) -> bool:
+    if name == "__main__":
+        return True
+    module = sys.modules.get(name)
+    filename = getattr(module, "__file__", None)
+    return bool(filename) and _is_user_file(filename)
+
+
+def _is_user_function(fn) -> bool:
+    return isinstance(fn, types.FunctionType) and _is_user_file(fn.__code__.co_filename)
+
+
+def _is_cell_file(filename: str) -> bool:
+    """Notebook cells: `<ipython-input-N-...>` (terminal) or `/tmp/ipykernel_PID/HASH.py` (kernel)."""
+    return filename.startswith("<") or f"{os.sep}ipykernel_" in filename
+
+
+# --------------------------------------------------------------------------------------------------------
+# Unwrapping callables to the Python functions that hold their code
+
+
+def _underlying(obj, limit: int = 64) -> list:
+    """The plain functions behind `obj`: itself, or what a wrapper, method, property or partial holds."""
+    out, stack, seen = [], [obj], set()
+    while stack and len(seen) < limit:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, types.FunctionType):
+            out.append(x)
+            wrapped = x.__dict__.get("__wrapped__")  # functools.wraps: keep going to the wrapped function
+            if wrapped is not None:
+                stack.append(wrapped)
+        elif isinstance(x, (staticmethod, classmethod, types.MethodType)):
+            stack.append(x.__func__)
+        elif isinstance(x, property):
+            stack.extend((x.fget, x.fset, x.fdel))
+        elif isinstance(x, functools.partial):
+            stack.append(x.func)
+        elif isinstance(x, functools.cached_property):
+            stack.append(x.func)
+        elif isinstance(x, type):
+            continue
+        else:
+            # jax.jit / jax.checkpoint / other `__wrapped__` wrappers; custom_jvp and custom_vjp (`fun`
+            # and their rules). A user object's attribute that raises is no dependency.
+            names = (
+                ("fun", "jvp", "fwd", "bwd")
+                if type(x).__name__ in ("custom_jvp", "custom_vjp")
+                else ("__wrapped__",)
+            )
+            for name in names:
+                try:
+                    stack.append(getattr(x, name, None))
+                except Exception:
+                    pass
+    return out
+
+
+def _static_attr(obj, name: str):
+    """`name` looked up without running descriptors or `__getattr__` (classes: along the MRO)."""
+    if isinstance(obj, type):
+        for klass in obj.__mro__:
+            d = klass.__dict__
+            if name in d:
+                return d[name]
+        return _MISSING
+    d = getattr(obj, "__dict__", None)
+    if isinstance(d, dict):
+        return d.get(name, _MISSING)
+    return _MISSING
+
+
+def _lookup(ns: dict, dotted: str):
+    head, *rest = dotted.split(".")
+    obj = ns.get(head, _MISSING)
+    for part in rest:
+        if obj is _MISSING:
+            break
+        obj = _static_attr(obj, part)
+    return obj
+
+
+_nested_memo: dict[tuple[int, str], tuple[types.CodeType, tuple]] = {}
+
+
+def _nested_codes(code: types.CodeType, qualname: str) -> tuple:
+    """Code objects named `qualname` nested (at any depth) in `code`'s constants."""
+    key = (id(code), qualname)
+    hit = _nested_memo.get(key)
+    if hit is not None and hit[0] is code:
+        return hit[1]
+    found, stack = [], [code]
+    while stack:
+        c = stack.pop()
+        for const in c.co_consts:
+            if isinstance(const, types.CodeType):
+                if const.co_qualname == qualname:
+                    found.append(const)
+                stack.append(const)
+    _nested_memo[key] = (code, tuple(found))
+    return tuple(found)
+
+
+def _resolve_function(ns: dict, qualname: str) -> frozenset | None:
+    """Code fingerprints `qualname` resolves to in `ns` now, or None when it no longer resolves."""
+    obj = ns.get(qualname)
+    if type(obj) is types.FunctionType and "__wrapped__" not in obj.__dict__:
+        return frozenset((code_fingerprint(obj.__code__),))  # the common case, fast
+    outer, nested, _ = qualname.partition(".<locals>.")
+    obj = _lookup(ns, outer)
+    if obj is _MISSING:
+        return None
+    codes = [fn.__code__ for fn in _underlying(obj)]
+    if nested:
+        codes = [inner for c in codes for inner in _nested_codes(c, qualname)]
+    return frozenset(code_fingerprint(c) for c in codes) or None
+
+
+# --------------------------------------------------------------------------------------------------------
+# Fingerprints of values
+
+
+def _fp(value):
+    try:
+        return fingerprint(value)
+    except Unfingerprintable as err:
+        return _SKIP if "tracer" in err.what else None
+    except Exception:  # a user's object whose attributes raise while we look: untracked, not a crash
+        return None
+
+
+def _lib_name(v) -> str:
+    module = getattr(v, "__module__", None) or type(v).__module__
+    return f"lib:{module}.{getattr(v, '__qualname__', None) or getattr(v, '__name__', '?')}"
+
+
+def _value_fingerprint(v):
+    """Fingerprint of a value read by user code: content for user things, name for library callables.
+
+    Library code only changes with a package upgrade (which restarts the kernel), so a library function,
+    class or module is identified by its name; a user function by `function_fingerprint` (code, closure
+    cells, defaults). Returns None (untracked) or `_SKIP` (a tracer).
+    """
+    if isinstance(v, types.ModuleType):
+        return "module:" + v.__name__
+    if isinstance(v, type):
+        return _fp(v) if _is_user_module(v.__module__) else _lib_name(v)
+    if isinstance(v, types.FunctionType):
+        return _fp(v) if _is_user_file(v.__code__.co_filename) else _lib_name(v)
+    if isinstance(v, types.BuiltinFunctionType):
+        return _lib_name(v)
+    if isinstance(v, functools.partial):
+        parts = (_value_fingerprint(v.func), _fp(v.args), _fp(v.keywords))
+        if _SKIP in parts:
+            return _SKIP
+        return None if None in parts else fingerprint(parts)
+    if _is_library_callable(v):
+        return _lib_name(v)  # jax.nn.relu (a jit wrapper), jnp ufuncs, optax functions
+    return _fp(v)
+
+
+def _is_library_callable(v) -> bool:
+    """A named callable whose code is all library code (a wrapper of a library function, a ufunc)."""
+    if isinstance(v, types.FunctionType):
+        return not _is_user_file(v.__code__.co_filename)
+    if isinstance(v, types.BuiltinFunctionType):
+        return True
+    if isinstance(v, type):
+        return not _is_user_module(v.__module__)
+    if isinstance(v, functools.partial) or not callable(v):
+        return False
+    try:
+        if not (hasattr(v, "__qualname__") or hasattr(v, "__name__")):
+            return False
+    except Exception:  # a user object whose `__getattr__` raises
+        return False
+    if _is_user_module(type(v).__module__):
+        return False
+    return not any(_is_user_function(f) for f in _underlying(v))
+
+
+def _attr_fingerprint(attr):
+    """Fingerprint of a class attribute as stored in the class `__dict__` (descriptors unwrapped)."""
+    if isinstance(attr, (staticmethod, classmethod)):
+        return _value_fingerprint(attr.__func__)
+    if isinstance(attr, property):
+        parts = tuple(
+            _value_fingerprint(f) if f is not None else "-" for f in (attr.fget, attr.fset, attr.fdel)
+        )
+        return None if None in parts or _SKIP in parts else fingerprint(parts)
+    return _value_fingerprint(attr)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Globals a code object reads
+
+
+class _Reads(NamedTuple):
+    names: tuple  # global names loaded (LOAD_GLOBAL / LOAD_NAME), nested code included
+    attrs: tuple  # (global name, attribute) pairs: `mod.attr` where `mod` is a global
+
+
+_reads_memo: dict[int, tuple[types.CodeType, _Reads]] = {}
+_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+_ATTR_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
+
+
+def _reads(code: types.CodeType) -> _Reads:
+    """Global names `code` (and the code nested in it) loads, from its bytecode; memoized per code."""
+    hit = _reads_memo.get(id(code))
+    if hit is not None and hit[0] is code:
+        return hit[1]
+    names, attrs, stack = {}, {}, [code]
+    while stack:
+        c = stack.pop()
+        previous = None
+        for ins in dis.get_instructions(c):
+            if ins.opname in _GLOBAL_LOADS:
+                names[ins.argval] = None
+                previous = ins.argval
+                continue
+            if previous is not None and ins.opname in _ATTR_LOADS:
+                attrs[(previous, ins.argval)] = None
+            previous = None
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    reads = _Reads(tuple(names), tuple(attrs))
+    _reads_memo[id(code)] = (code, reads)
+    return reads
+
+
+# --------------------------------------------------------------------------------------------------------
+# Files
+
+
+def _file_bytes(filename: str) -> bytes | None:
+    try:
+        with open(filename, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _digest(data: bytes | None) -> str | None:
+    return None if data is None else hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _file_digest(filename: str) -> str | None:
+    return _digest(_file_bytes(filename))
+
+
+# digest -> {qualname: code fingerprints} of a source file version; bounded, most recent last.
+_disk_versions: dict[str, dict[str, frozenset] | None] = {}
+_DISK_VERSIONS_KEPT = 64
+
+
+def _disk_state(filename: str, memo: dict) -> tuple:
+    """`(digest, {qualname: code fingerprints})` of the file as it is on disk now (memoized per scan).
+
+    The mapping is None when the file cannot be read or compiled (deleted, mid-edit syntax error). Each
+    file version is compiled once, whatever the number of scans.
+    """
+    key = ("D", filename)
+    state = memo.get(key)
+    if state is None:
+        data = _file_bytes(filename)
+        digest = _digest(data)
+        state = memo[key] = (digest, _LazyVersion(filename, data, digest))
+    return state
+
+
+class _LazyVersion:
+    """Compiles a file version only when a function's on-disk code is actually asked for."""
+
+    __slots__ = ("filename", "data", "digest")
+
+    def __init__(self, filename, data, digest):
+        self.filename, self.data, self.digest = filename, data, digest
+
+    def codes(self, qualname: str) -> frozenset | None:
+        if self.digest not in _disk_versions:
+            _disk_versions[self.digest] = _compile_version(self.filename, self.data)
+            while len(_disk_versions) > _DISK_VERSIONS_KEPT:
+                del _disk_versions[next(iter(_disk_versions))]
+        table = _disk_versions[self.digest]
+        return None if table is None else table.get(qualname)
+
+
+def _compile_version(filename: str, data: bytes | None) -> dict[str, frozenset] | None:
+    if data is None:
+        return None
+    try:
+        module_code = compile(data, filename, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError):
+        return None
+    table: dict[str, set] = {}
+    stack = [module_code]
+    while stack:
+        code = stack.pop()
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                table.setdefault(const.co_qualname, set()).add(code_fingerprint(const))
+                stack.append(const)
+    return {q: frozenset(fps) for q, fps in table.items()}
+
+
+# --------------------------------------------------------------------------------------------------------
+# Live namespaces and the memoized resolvers a scan shares
+
+
+def _live_namespace(module: str, recorded: dict, memo: dict, key=None) -> dict | None:
+    """The namespace `module` names now: `sys.modules[module]`, else the one the code ran in.
+
+    `__main__` is special: an IPython shell's user namespace may not be `sys.modules["__main__"]` (a test
+    runner owns that), and the code ran in the user namespace, so that one stays authoritative.
+    """
+    if key is None:
+        key = ("N", module, id(recorded))
+    ns = memo.get(key, _MISSING)
+    if ns is _MISSING:
+        mod = sys.modules.get(module)
+        d = getattr(mod, "__dict__", None) if mod is not None else None
+        if d is None or (d is not recorded and module == "__main__"):
+            d = recorded
+        ns = memo[key] = d
+    return ns
+
+
+def _live_function(module: str, recorded: dict, qualname: str, memo: dict):
+    """Code fingerprints `module.qualname` resolves to now (memoized per scan), or None."""
+    key = ("F", module, id(recorded), qualname)
+    live = memo.get(key, _MISSING)
+    if live is _MISSING:
+        live = memo[key] = _resolve_function(_live_namespace(module, recorded, memo), qualname)
+    return live
+
+
+class _Live:
+    """A value as it is now; its fingerprint is computed at most once per scan, and only when needed."""
+
+    __slots__ = ("value", "attr", "_snapshot", "_fp")
+
+    def __init__(self, value, attr: bool):
+        self.value, self.attr = value, attr
+        self._snapshot = self._fp = _MISSING
+
+    def same_as(self, expected: str, snap) -> bool:
+        if snap is not None:
+            if self._snapshot is _MISSING:
+                self._snapshot = _snapshot(self.value)
+            if self._snapshot is not None and _same(snap, self._snapshot):
+                return True  # the very same objects as at record time: content unchanged
+        if self._fp is _MISSING:
+            self._fp = _attr_fingerprint(self.value) if self.attr else _value_fingerprint(self.value)
+        return self._fp == expected
+
+
+# The checkers below run once per (dependency, expected fingerprint) and scan; `nskey` and `key` are the
+# memo keys of the live namespace and of the live dependency, precomputed when the closure is built.
+
+
+def _check_function(nskey, module, recorded, key, qualname, expected, _snap, memo) -> bool:
+    live = memo.get(key, _MISSING)
+    if live is _MISSING:
+        live = memo[key] = _resolve_function(_live_namespace(module, recorded, memo, nskey), qualname)
+    return live is not None and expected in live
+
+
+def _check_value(nskey, module, recorded, key, name, expected, snap, memo) -> bool:
+    live = memo.get(key, _MISSING)
+    if live is _MISSING:
+        value = _live_namespace(module, recorded, memo, nskey).get(name, _MISSING)
+        if value is not _MISSING and snap is not None and len(snap) == 1 and _held(snap[0]) is value:
+            return True  # the same atom, module, array or library callable: the common case, fast
+        live = memo[key] = None if value is _MISSING else _Live(value, attr=False)
+    return live is not None and (expected is None or live.same_as(expected, snap))
+
+
+def _check_class_attr(nskey, module, recorded, key, cls_qualname, name, expected, snap, memo) -> bool:
+    live = memo.get(key, _MISSING)
+    if live is _MISSING:
+        cls = _lookup(_live_namespace(module, recorded, memo, nskey), cls_qualname)
+        attr = _static_attr(cls, name) if isinstance(cls, type) else _MISSING
+        live = memo[key] = None if attr is _MISSING else _Live(attr, attr=True)
+    return live is not None and (expected is None or live.same_as(expected, snap))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Identity snapshots: the fast path of a scan that follows no redefinition
+
+_ATOMS = frozenset({int, float, complex, str, bytes, bool, type(None), type(Ellipsis)})
+
+
+class _Ref(weakref.ref):
+    """A snapshot element held weakly (so a snapshot never keeps a rebound value alive)."""
+
+    __slots__ = ()
+
+
+def _snapshot(v, depth: int = 0) -> list | None:
+    """Objects whose identity guarantees that `v`'s fingerprint has not changed, or None.
+
+    Immutable things qualify by identity (atoms, tuples and frozensets of them, concrete JAX arrays,
+    modules); small lists and dicts, partials and functions by identity plus their mutable parts (items;
+    code, qualified name, defaults and closure cells). Anything else (NumPy arrays, objects) is None and
+    is fingerprinted by content on every scan.
+    """
+    t = type(v)
+    if t in _ATOMS or t is types.ModuleType:
+        return [v]
+    if depth >= 4:
+        return None
+    if t is tuple or t is frozenset:
+        if len(v) > 32:
+            return None
+        out = [v]
+        for item in v:
+            s = _snapshot(item, depth + 1)
+            if s is None:
+                return None
+            out += s
+        return out
+    if t is list or t is dict:
+        # Mutable, so the container's identity proves nothing: list its current items (and length).
+        if len(v) > 32:
+            return None
+        out = [v, len(v)]
+        for item in _flat_items(v) if t is dict else v:
+            s = _snapshot(item, depth + 1)
+            if s is None:
+                return None
+            out += s
+        return out
+    if t is functools.partial:
+        out = [v]
+        for part in (v.func, v.args, v.keywords):
+            s = _snapshot(part, depth + 1)
+            if s is None:
+                return None
+            out += s
+        return out
+    if t is types.FunctionType:
+        defaults, kwdefaults = v.__defaults__, v.__kwdefaults__
+        out = [v, v.__code__, v.__qualname__, defaults, kwdefaults]
+        for part in (defaults, kwdefaults):
+            if part:
+                s = _snapshot(part, depth + 1)
+                if s is None:
+                    return None
+                out += s
+        for cell in v.__closure__ or ():
+            try:
+                s = _snapshot(cell.cell_contents, depth + 1)
+            except ValueError:  # an empty cell
+                s = [_MISSING]
+            if s is None:
+                return None
+            out += s
+        return out
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer):
+        return [v]
+    if _is_library_callable(v):
+        return [v]  # fingerprinted by name, and a library object's name does not change
+    return None
+
+
+def _flat_items(d: dict):
+    for k, v in d.items():
+        yield k
+        yield v
+
+
+def _freeze(snap: list | None) -> tuple | None:
+    if snap is None:
+        return None
+    out = []
+    for obj in snap:
+        try:
+            out.append(_Ref(obj))
+        except TypeError:  # ints, strings, tuples: small, held as they are
+            out.append(obj)
+    return tuple(out)
+
+
+def _held(x):
+    """A snapshot element's object (`_MISSING` when a weakly held one is gone)."""
+    if type(x) is _Ref:
+        x = x()
+        return _MISSING if x is None else x
+    return x
+
+
+def _same(frozen: tuple, live: list) -> bool:
+    if len(frozen) != len(live):
+        return False
+    for held, obj in zip(frozen, live, strict=True):
+        if type(held) is _Ref:
+            held = held()
+            if held is None:
+                return False
+        if held is not obj:
+            return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------------------
+# The closure
+
+
+class Closure:
+    """What one compiled program depends on, and the means to check whether any of it moved.
+
+    Attributes:
+        functions: `FuncDep`s, executed by the trace or reachable from the globals it read.
+        values: `ValueDep`s (globals), `ClassAttrDep`s (compile-view attributes), `CellDep`s (cells).
+        untracked: `"module.name"` of values read that have no content fingerprint: their changes are
+            invisible (`cache_reset()` is the escape hatch).
+        anonymous: names of dependencies that do not resolve by name (a module-level lambda, a class
+            defined in a function); they are checked through what holds them.
+    """
+
+    __slots__ = ("functions", "values", "untracked", "anonymous", "_checks", "_files")
+
+    def __init__(self, functions=(), values=(), untracked=(), anonymous=(), checks=(), files=()):
+        self.functions: tuple = tuple(functions)
+        self.values: tuple = tuple(values)
+        self.untracked: tuple = tuple(untracked)
+        self.anonymous: tuple = tuple(anonymous)
+        # (memo key, checker, args, qualified name): `checker(*args, memo)` says "still the same"; the
+        # key includes the expected fingerprint, so closures recorded alike share one answer per scan.
+        self._checks: tuple = tuple(checks)
+        # (FuncDep, namespace it ran in, anonymous?) for file-backed functions
+        self._files: tuple = tuple(files)
+
+    def drift(self, memo: dict) -> list[str]:
+        """Qualified names of dependencies that moved or no longer resolve, sorted.
+
+        `memo` is shared by every closure of one scan, so each dependency is resolved once per scan. A
+        drifted nested function is not listed under its drifted enclosing function.
+        """
+        out = None
+        get = memo.get
+        for key, checker, args, name in self._checks:
+            ok = get(key, _MISSING)
+            if ok is _MISSING:
+                ok = memo[key] = checker(*args, memo)
+            if not ok:
+                if out is None:
+                    out = set()
+                out.add(name)
+        return _collapse(out) if out else []
+
+    def disk_edits(self, memo: dict) -> list[str]:
+        """Functions whose source file now defines them differently while the live code did not change.
+
+        That is "edited on disk, not loaded yet" (`importlib.reload` or `%autoreload` will pick it up).
+        Comment-only and blank-line edits do not count: the file is compiled and compared by code.
+        """
+        out = set()
+        for dep, ns, anonymous in self._files:
+            digest, version = _disk_state(dep.filename, memo)
+            if digest == dep.file_digest:
+                continue
+            if not anonymous:
+                live = _live_function(dep.module, ns, dep.qualname, memo)
+                if live is None or dep.fingerprint not in live:
+                    continue  # the live code moved: that is drift, not a pending disk edit
+            on_disk = version.codes(dep.qualname)
+            if on_disk is None or dep.fingerprint not in on_disk:
+                out.add(dep.qualified)
+        return _collapse(out)
+
+    def names(self) -> list[str]:
+        """Every dependency's qualified name, sorted (functions, globals, class attributes, cells)."""
+        return sorted({d.qualified for d in (*self.functions, *self.values)})
+
+    def files(self) -> set[str]:
+        """The user source files the functions live in (notebook cells excluded): what to watch."""
+        return {d.filename for d in self.functions if d.file_digest is not None}
+
+    def __repr__(self):
+        return (
+            f"<Closure {len(self.functions)} functions, {len(self.values)} values, "
+            f"{len(self.untracked)} untracked>"
+        )
+
+
+def _collapse(names: set) -> list[str]:
+    """Sorted names, without `f.<locals>.g` when `f` itself is listed."""
+    return sorted(n for n in names if not any(n.startswith(p + ".<locals>.") for p in _prefixes(n, names)))
+
+
+def _prefixes(name: str, names: set):
+    head = name
+    while ".<locals>." in head:
+        head = head.rpartition(".<locals>.")[0]
+        if head in names:
+            yield head
+
+
+# --------------------------------------------------------------------------------------------------------
+# Building a closure from what a recording saw
+
+
+class _Builder:
+    def __init__(self):
+        self.functions: dict[int, tuple] = {}  # id(code) -> (FuncDep, ns, anonymous)
+        self.codes: list = []  # keeps the code objects alive while ids are in use
+        self.values: dict[tuple, tuple] = {}  # (id(ns), name) -> (ValueDep, ns, snapshot)
+        self.attrs: dict[tuple, tuple] = {}  # (id(cls), name) -> (ClassAttrDep, ns, anonymous, snapshot)
+        self.cells: dict[tuple, CellDep] = {}  # (module, qualname, var) -> CellDep
+        self.digests: dict[str, str | None] = {}
+        self.executed: set[tuple[str, str]] = set()  # (module, qualname) the trace ran
+
+    def function(self, code: types.CodeType, ns: dict, cells) -> None:
+        """Add a user function (by code), the globals it reads and, recursively, what those hold."""
+        if id(code) in self.functions:
+            return
+        module = ns.get("__name__") or "?"
+        qualname = code.co_qualname
+        filename = code.co_filename
+        digest = None
+        if not _is_cell_file(filename):
+            if filename not in self.digests:
+                self.digests[filename] = _file_digest(filename)
+            digest = self.digests[filename]
+        fp = code_fingerprint(code)
+        dep = FuncDep(module, qualname, fp, filename, digest)
+        # Resolvable by name now, to this very code? Otherwise it is anonymous (see module docstring).
+        live = _resolve_function(_live_namespace(module, ns, {}), qualname)
+        self.functions[id(code)] = (dep, ns, live is None or fp not in live)
+        self.codes.append(code)
+        reads = _reads(code)
+        for name in reads.names:
+            value = ns.get(name, _MISSING)
+            if value is not _MISSING:
+                self.value(ns, name, value)
+        for name, attr in reads.attrs:
+            mod = ns.get(name)
+            if isinstance(mod, types.ModuleType) and _is_user_module(mod.__name__):
+                value = mod.__dict__.get(attr, _MISSING)
+                if value is not _MISSING:
+                    self.value(mod.__dict__, attr, value)
+        if cells and (module, qualname.rpartition(".<locals>.")[0]) in self.executed:
+            cells = ()  # a closure the trace itself created: its cells hold trace-time values
+        for var, value in cells or ():
+            if var == "__class__":
+                continue  # the class a method is defined in: covered by the method's own dependency
+            cfp = _value_fingerprint(value)
+            if cfp is _SKIP:
+                continue
+            self.cells[(module, qualname, var)] = CellDep(module, qualname, var, cfp)
+            self.walk(value)
+
+    def value(self, ns: dict, name: str, value) -> None:
+        key = (id(ns), name)
+        if key in self.values:
+            return
+        fp = _value_fingerprint(value)
+        if fp is _SKIP:
+            return
+        snap = _freeze(_snapshot(value)) if fp is not None else None
+        self.values[key] = (ValueDep(ns.get("__name__") or "?", name, fp), ns, snap)
+        self.walk(value)
+
+    def class_attr(self, cls: type, name: str, attr) -> None:
+        key = (id(cls), name)
+        if key in self.attrs:
+            return
+        fp = _attr_fingerprint(attr)
+        if fp is _SKIP:
+            return
+        ns = _class_namespace(cls)
+        dep = ClassAttrDep(cls.__module__, cls.__qualname__, name, fp)
+        anonymous = ns is None or not isinstance(
+            _lookup(_live_namespace(cls.__module__, ns, {}), cls.__qualname__), type
+        )
+        snap = _freeze(_snapshot(attr)) if fp is not None else None
+        self.attrs[key] = (dep, ns, anonymous, snap)
+        self.walk(attr)
+
+    def walk(self, value) -> None:
+        """Statically add the user functions `value` holds (JAX may not re-run their Python)."""
+        if not callable(value) and not isinstance(value, (staticmethod, classmethod, property)):
+            return
+        if isinstance(value, type):
+            return  # a class's methods are dependencies when called; its fingerprint covers the rest
+        for fn in _underlying(value):
+            if _is_user_function(fn):
+                cells = zip(fn.__code__.co_freevars, _cell_contents(fn.__closure__), strict=True)
+                self.function(fn.__code__, fn.__globals__, [(k, v) for k, v in cells if v is not _MISSING])
+
+    def build(self) -> Closure:
+        functions, values, untracked, anonymous, checks, files = [], [], set(), set(), [], []
+        # A function bound to a global that is itself a tracked dependency needs no check of its own: the
+        # global's fingerprint covers its code (and its defaults and cells).
+        covered = {(id(ns), dep.name) for dep, ns, _snap in self.values.values() if dep.fingerprint}
+        for dep, ns, anon in self.functions.values():
+            functions.append(dep)
+            if anon:
+                anonymous.add(dep.qualified)
+            elif (id(ns), dep.qualname) not in covered:
+                nskey, key = ("N", dep.module, id(ns)), ("F", dep.module, id(ns), dep.qualname)
+                args = (nskey, dep.module, ns, key, dep.qualname, dep.fingerprint, None)
+                checks.append((key + (dep.fingerprint,), _check_function, args, dep.qualified))
+            if dep.file_digest is not None:
+                files.append((dep, ns, anon))
+        for dep, ns, snap in self.values.values():
+            values.append(dep)
+            if dep.fingerprint is None:
+                untracked.add(dep.qualified)
+            nskey, key = ("N", dep.module, id(ns)), ("V", dep.module, id(ns), dep.name)
+            args = (nskey, dep.module, ns, key, dep.name, dep.fingerprint, snap)
+            checks.append((key + (dep.fingerprint,), _check_value, args, dep.qualified))
+        for dep, ns, anon, snap in self.attrs.values():
+            values.append(dep)
+            if dep.fingerprint is None:
+                untracked.add(dep.qualified)
+            if anon:
+                anonymous.add(dep.qualified)
+            else:
+                nskey, key = ("N", dep.module, id(ns)), ("A", dep.module, id(ns), dep.cls_qualname, dep.name)
+                args = (nskey, dep.module, ns, key, dep.cls_qualname, dep.name, dep.fingerprint, snap)
+                checks.append((key + (dep.fingerprint,), _check_class_attr, args, dep.qualified))
+        for dep in self.cells.values():
+            values.append(dep)
+            if dep.fingerprint is None:
+                untracked.add(dep.qualified)
+        functions.sort(key=lambda d: (d.module, d.qualname, d.fingerprint))
+        values.sort(key=lambda d: (type(d).__name__, d.qualified))
+        return Closure(functions, values, sorted(untracked), sorted(anonymous), checks, files)
+
+
+def _cell_contents(closure) -> list:
+    out = []
+    for cell in closure or ():
+        try:
+            out.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            out.append(_MISSING)
+    return out
+
+
+def _class_namespace(cls: type) -> dict | None:
+    """The globals of the module a class was defined in (its methods know it even in an IPython shell)."""
+    for attr in vars(cls).values():
+        if not isinstance(attr, (types.FunctionType, staticmethod, classmethod, property)):
+            continue
+        for fn in _underlying(attr):
+            if fn.__code__.co_qualname.startswith(cls.__qualname__ + "."):
+                return fn.__globals__
+    module = sys.modules.get(cls.__module__)
+    return getattr(module, "__dict__", None)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Recording
+
+
+class Recorder:
+    """Records the dependency closure of the code run inside `with record() as r:`; `r.closure` after.
+
+    Nested recorders in one thread all receive every event (the outer one also depends on what the inner
+    one traced); recorders in other threads are independent.
+    """
+
+    __slots__ = ("closure", "_frames", "_attrs", "_mode", "_tid")
+
+    def __init__(self):
+        self.closure: Closure | None = None
+        self._frames: dict[int, tuple] = {}  # id(code) -> (code, globals, cells or None)
+        self._attrs: dict[tuple, tuple] = {}  # (id(cls), name) -> (cls, name, attr)
+        self._mode = None
+        self._tid = None
+
+    def __enter__(self) -> Recorder:
+        self._tid = threading.get_ident()
+        self._mode = _hooks.enter(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _hooks.exit(self)
+        builder = _Builder()
+        for code, ns, _cells in self._frames.values():
+            builder.executed.add((ns.get("__name__") or "?", code.co_qualname))
+        for code, ns, cells in self._frames.values():
+            builder.function(code, ns, cells)
+        for cls, name, attr in self._attrs.values():
+            builder.class_attr(cls, name, attr)
+        self.closure = builder.build()
+        self._frames.clear()
+        self._attrs.clear()
+
+    def _note(self, frame, code) -> None:
+        """A user function started: remember its code, globals and (closures) its cell values."""
+        if id(code) in self._frames:
+            return
+        cells = None
+        if code.co_freevars:
+            try:
+                local = frame.f_locals
+                cells = [(n, local[n]) for n in code.co_freevars if n in local]
+            except Exception:
+                cells = None
+        self._frames[id(code)] = (code, frame.f_globals, cells)
+
+
+def record() -> Recorder:
+    """A context manager recording the dependency closure of what runs inside it (in this thread)."""
+    return Recorder()
+
+
+def note_class_attr(cls, name: str, attr) -> None:
+    """Record that traced code read class attribute `cls.name` (the compile view calls this)."""
+    stack = _hooks.active.get(threading.get_ident())
+    if stack:
+        for rec in stack:
+            rec._attrs.setdefault((id(cls), name), (cls, name, attr))
+
+
+class _Hooks:
+    """Installs one interpreter hook while any recorder is active; dispatches to the thread's recorders."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.active: dict[int, list[Recorder]] = {}  # thread id -> active recorders, outermost first
+        self.tool: int | None = None  # sys.monitoring tool id while claimed
+        self.monitoring_users = 0
+        self.profile_prev: dict[int, object] = {}  # thread id -> profiler to restore
+
+    # ---- entry and exit
+
+    def enter(self, rec: Recorder) -> str:
+        with self.lock:
+            stack = self.active.setdefault(rec._tid, [])
+            stack.append(rec)
+            if len(stack) > 1:
+                return stack[0]._mode  # the thread's hook is installed already
+            if hasattr(sys, "monitoring") and self._claim_monitoring():
+                return "monitoring"
+        return self._install_profile(rec._tid, stack)
+
+    def exit(self, rec: Recorder) -> None:
+        with self.lock:
+            stack = self.active.get(rec._tid, [])
+            if rec in stack:
+                stack.remove(rec)
+            if stack:
+                return
+            self.active.pop(rec._tid, None)
+            if rec._mode == "monitoring":
+                self._release_monitoring()
+                return
+        if rec._mode == "profile":
+            self._remove_profile(rec._tid)
+
+    # ---- sys.monitoring (3.12+): one global callback, library code disabled after its first call
+
+    def _claim_monitoring(self) -> bool:
+        mon = sys.monitoring
+        if self.tool is None:
+            # 0, 1, 2 and 5 are the debugger's, coverage's, profiler's and optimizer's by convention.
+            for tool in (4, 3):
+                try:
+                    mon.use_tool_id(tool, "nitro_ipy")
+                except ValueError:
+                    continue
+                self.tool = tool
+                break
+            else:
+                return False
+            mon.register_callback(self.tool, mon.events.PY_START, self._on_py_start)
+            mon.set_events(self.tool, mon.events.PY_START)
+        self.monitoring_users += 1
+        return True
+
+    def _release_monitoring(self) -> None:
+        self.monitoring_users -= 1
+        if self.monitoring_users == 0 and self.tool is not None:
+            mon = sys.monitoring
+            mon.set_events(self.tool, 0)
+            mon.register_callback(self.tool, mon.events.PY_START, None)
+            mon.free_tool_id(self.tool)
+            self.tool = None
+
+    def _on_py_start(self, code, offset):
+        verdict = _file_verdicts.get(code.co_filename)
+        if verdict is None:
+            verdict = _classify_file(code.co_filename)
+        if not verdict:
+            return sys.monitoring.DISABLE  # library code is never tracked: stop paying for it
+        stack = self.active.get(threading.get_ident())
+        if stack:
+            frame = sys._getframe(1)
+            if frame.f_code is code:
+                for rec in stack:
+                    rec._note(frame, code)
+        # User code is never disabled: a later recorder (or another thread's) needs its events.
+        return None
+
+    # ---- sys.setprofile (3.11): per thread, chained to a Python-level profiler already installed
+
+    def _install_profile(self, tid: int, stack: list) -> str:
+        prev = sys.getprofile()
+        if prev is not None and not callable(prev):
+            # A C profiler (cProfile on 3.11) cannot be chained or restored from Python: leave it alone
+            # and record statically (compile-view attributes and what they reach) only.
+            return "static"
+        get_verdict = _file_verdicts.get
+
+        def hook(frame, event, arg):
+            # Runs on every call and C call of the trace: keep it minimal.
+            if event == "call":
+                code = frame.f_code
+                verdict = get_verdict(code.co_filename)
+                if verdict is None:
+                    verdict = _classify_file(code.co_filename)
+                if verdict:
+                    for rec in stack:
+                        rec._note(frame, code)
+
+        if prev is not None:
+            inner = hook
+
+            def hook(frame, event, arg):  # noqa: F811 (chained variant)
+                inner(frame, event, arg)
+                return prev(frame, event, arg)
+
+        self.profile_prev[tid] = (prev, hook)
+        sys.setprofile(hook)
+        return "profile"
+
+    def _remove_profile(self, tid: int) -> None:
+        prev, hook = self.profile_prev.pop(tid, (None, None))
+        if sys.getprofile() is hook:
+            sys.setprofile(prev)
+
+
+_hooks = _Hooks()

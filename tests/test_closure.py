@@ -1,0 +1,599 @@
+"""Dependency closures (`nitro_ipy._closure`) and the file watcher (`nitro_ipy._watch`).
+
+Helpers live in real module files under `tmp_path` (imported, edited, reloaded) or in real IPython cells;
+every program is really traced with `jax.jit(...).lower(...)`.
+"""
+
+import importlib
+import re
+import sys
+import textwrap
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from nitro_ipy import _watch, _world
+from nitro_ipy._closure import ClassAttrDep, ValueDep, note_class_attr, record
+from nitro_ipy._fields import CompileView
+from nitro_ipy._fingerprint import fingerprint
+
+X = jnp.ones(3)
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """`make(source) -> module`: a real module file in `tmp_path`, imported; removed afterwards."""
+    # Without .pyc files a reload always recompiles the source (an edit within the same second and of
+    # the same size would otherwise load the stale bytecode).
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    created = []
+
+    def make(source: str):
+        name = re.sub(r"\W", "_", f"nitro_cl_{tmp_path.name}_{len(created)}")
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        importlib.invalidate_caches()
+        created.append(name)
+        return importlib.import_module(name)
+
+    yield make
+    for name in created:
+        sys.modules.pop(name, None)
+
+
+def rewrite(mod, source: str, reload: bool = True):
+    with open(mod.__file__, "w") as f:
+        f.write(textwrap.dedent(source))
+    return importlib.reload(mod) if reload else mod
+
+
+def lower(fn, *args):
+    """Record the closure of tracing+lowering `fn` (a fresh jit wrapper: JAX caches traces by identity)."""
+    with record() as rec:
+        jax.jit(lambda *a: fn(*a)).lower(*args)
+    return rec.closure
+
+
+def mine(names, mod):
+    prefix = mod.__name__ + "."
+    return [n[len(prefix) :] for n in names if n.startswith(prefix)]
+
+
+BASE = """
+import jax.numpy as jnp
+
+SCALE = 2.0
+
+def leaf(x):
+    return x * SCALE
+
+def mid(x):
+    return jnp.sin(leaf(x))
+
+def top(x):
+    return mid(x) + 1.0
+
+def unused(x):
+    return x
+"""
+
+
+def test_records_helpers_two_levels_down(user_module):
+    m = user_module(BASE)
+    closure = lower(m.top, X)
+    assert mine(closure.names(), m) == ["SCALE", "jnp", "leaf", "mid", "top"]
+    funcs = {d.qualname: d for d in closure.functions if d.module == m.__name__}
+    assert sorted(funcs) == ["leaf", "mid", "top"]
+    assert all(d.filename == m.__file__ and d.file_digest for d in funcs.values())
+    assert ValueDep(m.__name__, "jnp", "module:jax.numpy") in closure.values
+    assert m.__file__ in closure.files()
+    assert closure.untracked == ()
+    assert closure.drift({}) == [] and closure.disk_edits({}) == []
+    expected = "monitoring" if sys.version_info >= (3, 12) else "profile"
+    with record() as rec:
+        assert rec._mode == expected
+
+
+def test_reload_of_edited_helper_drifts(user_module):
+    m = user_module(BASE)
+    closure = lower(m.top, X)
+    rewrite(m, BASE.replace("return x * SCALE", "return x * SCALE + 1.0"))
+    assert closure.drift({}) == [f"{m.__name__}.leaf"]
+    assert closure.disk_edits({}) == []
+
+
+def test_disk_edit_not_loaded_yet(user_module):
+    m = user_module(BASE)
+    closure = lower(m.top, X)
+    rewrite(m, BASE.replace("return x * SCALE", "return x * SCALE - 1.0"), reload=False)
+    assert closure.drift({}) == []
+    assert closure.disk_edits({}) == [f"{m.__name__}.leaf"]
+    importlib.reload(m)
+    assert closure.drift({}) == [f"{m.__name__}.leaf"]
+    assert closure.disk_edits({}) == []
+
+
+def test_comment_and_blank_line_edits_do_not_drift(user_module):
+    m = user_module(BASE)
+    closure = lower(m.top, X)
+    edited = BASE.replace("def leaf(x):\n", "# a comment\n\n\ndef leaf(x):\n    # why\n\n")
+    edited = edited.replace("return x * SCALE", "return x * SCALE  # trailing")
+    rewrite(m, edited, reload=False)
+    assert closure.disk_edits({}) == []
+    importlib.reload(m)
+    assert m.leaf.__code__.co_firstlineno != 6  # the line numbers did move
+    assert closure.drift({}) == []
+    assert closure.disk_edits({}) == []
+
+
+def test_code_swap_in_place_drifts(user_module):
+    # `%autoreload 2` patches `fn.__code__` in place: same function object, new code.
+    m = user_module(BASE)
+    closure = lower(m.top, X)
+    leaf = m.leaf
+    ns = {}
+    exec("def leaf(x):\n    return x * 3.0\n", ns)
+    m.leaf.__code__ = ns["leaf"].__code__
+    assert m.leaf is leaf
+    assert closure.drift({}) == [f"{m.__name__}.leaf"]
+
+
+def test_global_constant_change_drifts(user_module):
+    m = user_module(BASE)
+    closure = lower(m.top, X)
+    rewrite(m, BASE.replace("SCALE = 2.0", "SCALE = 3.0"))
+    assert closure.drift({}) == [f"{m.__name__}.SCALE"]
+    m.SCALE = 2.0
+    assert closure.drift({}) == []
+
+
+def test_unread_edits_and_identical_reload_do_not_drift(user_module):
+    m = user_module(BASE)
+    closure = lower(m.top, X)
+    importlib.reload(m)
+    assert closure.drift({}) == []
+    rewrite(
+        m, BASE.replace("def unused(x):\n    return x", "def unused(x):\n    return x + 1") + "\nOTHER = 5\n"
+    )
+    assert closure.drift({}) == []
+
+
+MUTABLE = """
+import functools
+import numpy as np
+import jax.numpy as jnp
+
+CFG = {"scale": 2.0, "widths": [1.0, 2.0]}
+TABLE = np.arange(3.0)
+clip = functools.partial(jnp.clip, min=-1.0)
+
+def make_offset():
+    offset = 1.0
+    def get():
+        return offset
+    def set(value):
+        nonlocal offset
+        offset = value
+    return get, set
+
+get_offset, set_offset = make_offset()
+
+def scaled(x, k=2.0):
+    return x * k
+
+def top(x):
+    y = scaled(x) * CFG["scale"] + CFG["widths"][0] + TABLE + get_offset()
+    return clip(y)
+"""
+
+
+def test_in_place_mutations_drift(user_module):
+    m = user_module(MUTABLE)
+    closure = lower(m.top, X)
+    name = m.__name__
+    memo = {}
+    assert closure.drift(memo) == []
+    mutations = [
+        ("CFG", lambda: m.CFG.__setitem__("scale", 3.0), lambda: m.CFG.__setitem__("scale", 2.0)),
+        ("CFG", lambda: m.CFG["widths"].append(3.0), lambda: m.CFG["widths"].pop()),
+        ("TABLE", lambda: m.TABLE.__setitem__(0, 7.0), lambda: m.TABLE.__setitem__(0, 0.0)),
+        (
+            "clip",
+            lambda: m.clip.keywords.__setitem__("min", 0.0),
+            lambda: m.clip.keywords.__setitem__("min", -1.0),
+        ),
+        ("get_offset", lambda: m.set_offset(5.0), lambda: m.set_offset(1.0)),
+        (
+            "scaled",
+            lambda: setattr(m.scaled, "__defaults__", (3.0,)),
+            lambda: setattr(m.scaled, "__defaults__", (2.0,)),
+        ),
+    ]
+    for what, mutate, undo in mutations:
+        mutate()
+        assert closure.drift({}) == [f"{name}.{what}"], what
+        undo()
+        assert closure.drift({}) == [], what
+
+
+def test_deleted_function_drifts(user_module):
+    m = user_module(BASE)
+    closure = lower(m.top, X)
+    del m.leaf
+    assert closure.drift({}) == [f"{m.__name__}.leaf"]
+
+
+def test_untracked_value_is_listed(user_module):
+    m = user_module(
+        """
+        class Opaque:
+            pass
+
+        CONFIG = Opaque()
+
+        def top(x):
+            return x * 2.0 if CONFIG is not None else x
+        """
+    )
+    closure = lower(m.top, X)
+    assert closure.untracked == (f"{m.__name__}.CONFIG",)
+    assert ValueDep(m.__name__, "CONFIG", None) in closure.values
+    m.CONFIG = m.Opaque()  # invisible by construction: that is what "untracked" says
+    assert closure.drift({}) == []
+    del m.CONFIG
+    assert closure.drift({}) == [f"{m.__name__}.CONFIG"]
+
+
+INNER = """
+import jax
+
+SCALE = 2.0
+
+class Calls:
+    inner = 0
+    ck = 0
+
+def helper2(x):
+    return x * SCALE
+
+@jax.jit
+def inner(x):
+    Calls.inner += 1
+    return helper2(x) + 1.0
+
+def _ck(x):
+    Calls.ck += 1
+    return x * 3.0
+
+ck = jax.checkpoint(_ck)
+
+def outer(x):
+    return inner(x) + ck(x)
+"""
+
+
+def test_jit_and_checkpoint_helpers_recorded_when_jax_skips_their_python(user_module):
+    m = user_module(INNER)
+    first = lower(m.outer, X)
+    second = lower(m.outer, X)
+    assert (m.Calls.inner, m.Calls.ck) == (1, 1)  # JAX served the inner traces from its cache
+    want = ["_ck", "helper2", "inner", "outer"]
+    for closure in (first, second):
+        assert sorted(d.qualname for d in closure.functions if d.module == m.__name__) == want
+    rewrite(m, INNER.replace("return x * SCALE", "return x * SCALE * SCALE"))
+    assert second.drift({}) == [f"{m.__name__}.helper2"]
+
+
+def test_closure_factory_value_drifts_via_its_global(user_module):
+    m = user_module(
+        """
+        def make_loss(k):
+            def loss(x):
+                return x * k
+            return loss
+
+        loss_fn = make_loss(2.0)
+
+        def top(x):
+            return loss_fn(x)
+        """
+    )
+    closure = lower(m.top, X)
+    assert f"{m.__name__}.make_loss.<locals>.loss" in closure.names()
+    assert f"{m.__name__}.make_loss.<locals>.loss.k" in closure.names()  # the cell, seen at call time
+    m.loss_fn = m.make_loss(3.0)
+    assert closure.drift({}) == [f"{m.__name__}.loss_fn"]
+    m.loss_fn = m.make_loss(2.0)
+    assert closure.drift({}) == []
+
+
+def test_module_level_lambda_is_checked_through_its_holder(user_module):
+    m = user_module(
+        """
+        act = lambda x: x + 1.0
+
+        def top(x):
+            return act(x)
+        """
+    )
+    closure = lower(m.top, X)
+    assert closure.anonymous == (f"{m.__name__}.<lambda>",)
+    m.act = lambda x: x + 2.0
+    assert closure.drift({}) == [f"{m.__name__}.act"]
+
+
+DECORATED = """
+import functools
+
+def traced(fn):
+    @functools.wraps(fn)
+    def wrapper(x):
+        return fn(x)
+    return wrapper
+
+def plain(fn):
+    def inner(x):
+        return fn(x)
+    return inner
+
+@traced
+def helper(x):
+    return x * 2.0
+
+@plain
+def other(x):
+    return x + 1.0
+
+def top(x):
+    return helper(x) + other(x) + (lambda y: y * 0.5)(x)
+"""
+
+
+def test_decorated_helpers_drift_under_their_own_names(user_module):
+    m = user_module(DECORATED)
+    closure = lower(m.top, X)
+    assert mine(closure.names(), m) == [
+        "helper",
+        "other",
+        "plain.<locals>.inner",
+        "plain.<locals>.inner.fn",  # closure cells of the wrappers (made at import, before the trace)
+        "top",
+        "top.<locals>.<lambda>",
+        "traced.<locals>.wrapper",
+        "traced.<locals>.wrapper.fn",
+    ]
+    assert mine(closure.anonymous, m) == ["other"]  # its name is bound to `inner`, held by global `other`
+    importlib.reload(m)
+    assert closure.drift({}) == []
+    rewrite(m, DECORATED.replace("return x * 2.0", "return x * 4.0"))
+    assert closure.drift({}) == [f"{m.__name__}.helper"]
+    rewrite(m, DECORATED.replace("return x + 1.0", "return x + 3.0"))
+    assert closure.drift({}) == [f"{m.__name__}.other"]
+
+
+CLASSY = """
+import jax.numpy as jnp
+
+def leaf(x):
+    return x * 2.0
+
+class Net:
+    width = 3
+
+    def forward(self, x):
+        return jnp.tanh(leaf(x)) * self.width
+"""
+
+
+def test_class_method_via_compile_view_and_reload(user_module):
+    m = user_module(CLASSY)
+
+    def program(m):
+        view = CompileView(m.Net, {}, (), on_attr=note_class_attr)
+        return lambda x: view.forward(x)
+
+    closure = lower(program(m), X)
+    name = m.__name__
+    assert ClassAttrDep(name, "Net", "width", fingerprint(3)) in closure.values
+    assert mine(closure.names(), m) == ["Net.forward", "Net.width", "jnp", "leaf"]
+    importlib.reload(m)  # the class is re-created, identically
+    assert closure.drift({}) == []
+    rewrite(m, CLASSY.replace("* self.width", "* self.width + 1.0"))
+    assert closure.drift({}) == [f"{name}.Net.forward"]
+    rewrite(m, CLASSY.replace("width = 3", "width = 4"))
+    assert closure.drift({}) == [f"{name}.Net.width"]
+
+
+def test_nested_recorders_both_record(user_module):
+    m = user_module(BASE)
+    with record() as outer:
+        with record() as inner:
+            jax.jit(lambda x: m.top(x)).lower(X)
+    assert (
+        mine(outer.closure.names(), m)
+        == mine(inner.closure.names(), m)
+        == ["SCALE", "jnp", "leaf", "mid", "top"]
+    )
+
+
+def test_recorders_in_two_threads_stay_apart(user_module):
+    a = user_module(BASE)
+    b = user_module(BASE.replace("def top(x):", "def other_top(x):"))
+    closures, barrier = {}, threading.Barrier(2)
+
+    def work(m, fn):
+        barrier.wait()
+        for _ in range(3):
+            closures[m.__name__] = lower(fn, X)
+
+    threads = [
+        threading.Thread(target=work, args=(a, a.top)),
+        threading.Thread(target=work, args=(b, b.other_top)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert mine(closures[a.__name__].names(), a) == ["SCALE", "jnp", "leaf", "mid", "top"]
+    assert mine(closures[a.__name__].names(), b) == []
+    assert mine(closures[b.__name__].names(), b) == ["SCALE", "jnp", "leaf", "mid", "other_top"]
+    assert mine(closures[b.__name__].names(), a) == []
+    assert sys.getprofile() is None
+
+
+def test_previous_profiler_is_restored_and_chained(user_module):
+    if sys.version_info >= (3, 12):
+        pytest.skip("3.12+ records with sys.monitoring and leaves sys.setprofile alone")
+    m = user_module(BASE)
+    seen = []
+
+    def profiler(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "leaf":
+            seen.append(1)
+
+    sys.setprofile(profiler)
+    try:
+        closure = lower(m.top, X)
+        assert sys.getprofile() is profiler
+    finally:
+        sys.setprofile(None)
+    assert seen == [1]
+    assert "leaf" in mine(closure.names(), m)
+
+
+def test_shared_memo_resolves_each_dependency_once(user_module):
+    m = user_module(BASE)
+    closures = [lower(m.top, X) for _ in range(3)]
+    memo = {}
+    assert [c.drift(memo) for c in closures] == [[], [], []]
+    size = len(memo)
+    for c in closures:
+        c.drift(memo)
+    assert len(memo) == size
+    t0 = time.perf_counter()
+    for _ in range(50):
+        memo = {}
+        for c in closures:
+            c.drift(memo)
+    assert (time.perf_counter() - t0) / 50 < 0.005
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Real IPython cells
+
+
+@pytest.fixture
+def shell(monkeypatch):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    # The shell installs its user module as sys.modules["__main__"]; give pytest's back afterwards.
+    monkeypatch.setitem(sys.modules, "__main__", sys.modules["__main__"])
+    sh = InteractiveShell.instance()
+    yield sh
+    for name in ("helper", "top", "Model"):
+        sh.user_ns.pop(name, None)
+
+
+def run(shell, cell: str):
+    result = shell.run_cell(textwrap.dedent(cell), store_history=True)
+    result.raise_error()
+
+
+HELPER = """
+import jax.numpy as jnp
+
+def helper(x):
+    return jnp.cos(x) * 2.0
+"""
+
+
+def test_ipython_cell_redefinition(shell):
+    run(shell, HELPER)
+    run(shell, "def top(x):\n    return helper(x) + 1.0\n")
+    closure = lower(shell.user_ns["top"], X)
+    funcs = [d for d in closure.functions if d.module == "__main__"]
+    assert sorted(d.qualname for d in funcs) == ["helper", "top"]
+    assert all(d.filename.startswith("<ipython-input-") and d.file_digest is None for d in funcs)
+    assert closure.files() == {f for f in closure.files() if "ipython" not in f}
+    run(shell, HELPER)  # re-running the identical cell
+    assert closure.drift({}) == []
+    run(shell, HELPER.replace("* 2.0", "* 3.0"))
+    assert closure.drift({}) == ["__main__.helper"]
+    run(shell, HELPER)
+    assert closure.drift({}) == []
+    run(shell, "del helper")
+    assert closure.drift({}) == ["__main__.helper"]
+
+
+def test_ipython_class_redefinition(shell):
+    model = """
+    class Model:
+        def forward(self, x):
+            return x * 2.0
+    """
+    run(shell, model)
+    view = CompileView(shell.user_ns["Model"], {}, (), on_attr=note_class_attr)
+    closure = lower(lambda x: view.forward(x), X)
+    assert [n for n in closure.names() if n.startswith("__main__.Model")] == ["__main__.Model.forward"]
+    run(shell, model)
+    assert closure.drift({}) == []
+    run(shell, model.replace("* 2.0", "* 5.0"))
+    assert closure.drift({}) == ["__main__.Model.forward"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The file watcher
+
+
+def _wait_for(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_watcher_bumps_world_on_save_and_stops_cleanly(tmp_path):
+    before_threads = set(threading.enumerate())
+    path = tmp_path / "lib.py"
+    path.write_text("A = 1\n")
+    other = tmp_path / "notes.txt"
+    try:
+        _watch.watch([str(path)])
+        assert _watch.watched() == {str(path.resolve())}
+        time.sleep(0.1)  # let the observer arm
+        w0 = _world.world()
+        path.write_text("A = 2\n")
+        assert _wait_for(lambda: _world.world() > w0)
+
+        w1 = _world.world()
+        other.write_text("not watched\n")
+        time.sleep(0.3)
+        assert _world.world() == w1
+
+        # An editor that saves by writing a temporary file and renaming it over the original.
+        tmp = tmp_path / ".lib.py.swp"
+        tmp.write_text("A = 3\n")
+        tmp.replace(path)
+        assert _wait_for(lambda: _world.world() > w1)
+    finally:
+        _watch.stop()
+    assert _watch.watched() == set()
+    assert _wait_for(lambda: set(threading.enumerate()) <= before_threads, timeout=2)
+    w2 = _world.world()
+    path.write_text("A = 4\n")
+    time.sleep(0.2)
+    assert _world.world() == w2
+
+
+def test_watcher_debounces_a_burst_into_one_bump():
+    w0 = _world.world()
+    for _ in range(20):  # what one save looks like to the handler: several events within milliseconds
+        _watch._schedule_bump()
+    assert _wait_for(lambda: _world.world() > w0)
+    time.sleep(3 * _watch.DEBOUNCE_S)
+    assert _world.world() == w0 + 1

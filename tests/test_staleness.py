@@ -1,0 +1,285 @@
+"""Staleness end to end, through a real IPython shell running cells with the extension loaded.
+
+Each scenario defines an experiment whose `forward` reaches `act` (directly or further down), trains a
+handle, edits something in a later cell, and checks which handle runs which code: the old handle keeps its
+programs and says so; the rebuilt one recompiles exactly the programs whose closure drifted.
+"""
+
+import importlib
+import os
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from IPython.core.interactiveshell import InteractiveShell
+
+import nitro_ipy
+from nitro_ipy import _cache
+
+BASE = """
+import dataclasses, functools, importlib
+import jax, jax.numpy as jnp, numpy as np, optax
+import nitro_ipy
+from nitro_ipy import Device, GraphConst, Nitro
+
+{defs}
+
+@dataclasses.dataclass
+class E:
+    lr: Device[float] = 1e-2
+
+    def init(self, rng):
+        return {{"w": jnp.ones((2,))}}
+
+    def forward(self, params, *, x):
+        return {forward}
+
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+
+    def optimizer(self):
+        return optax.sgd(self.lr)
+
+X = np.ones((8, 2), np.float32)
+data = {{"train": {{"x": X, "y": np.zeros(8, np.float32)}}}}
+n = Nitro(E(lr=0.0), data=data, batch_size=4, progress=False)  # lr 0: outputs move only with code
+n.train()
+before = n.predict({{"x": X[:2]}})
+"""
+
+STALE_LINE = "! this handle's compiled programs had dependency methods redefined"
+
+
+@pytest.fixture
+def ip(tmp_path):
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "nitro_ipy")
+    sys.path.insert(0, str(tmp_path))
+    saved = dict(shell.user_ns)
+    yield shell
+    sys.path.remove(str(tmp_path))
+    sys.modules.pop("mymod", None)
+    for name in list(shell.user_ns):
+        if name not in saved:
+            del shell.user_ns[name]
+    shell.run_line_magic("unload_ext", "nitro_ipy")
+
+
+def run(ip, capsys, source: str) -> str:
+    result = ip.run_cell(textwrap.dedent(source))
+    out = capsys.readouterr().out
+    assert result.error_in_exec is None and result.error_before_exec is None, out
+    return out
+
+
+def scenario(ip, capsys, defs, forward, edit, drifted, *, factor=3.0):
+    """Run the base cell, the edit cell, then check both handles; returns the output of the edit cell."""
+    run(ip, capsys, BASE.format(defs=textwrap.dedent(defs), forward=forward))
+    assert nitro_ipy.cache_stats() == (2, 3, 3)  # grad, opt (2 steps: 2 misses, 2 hits), predict
+    before_kinds = {id(e): e.kind for e in _cache.live_entries()}
+    out_edit = run(ip, capsys, edit)
+
+    out = run(ip, capsys, "n.train(); old = n.predict({'x': X[:2]})")
+    assert out.count(STALE_LINE) == 2, out  # once per entry point: train, predict
+    poisoned = ", ".join(drifted)
+    assert f"poisoned; redefined: {poisoned}." in out, out
+    assert f"{STALE_LINE}: {poisoned} (grad, predict)" in out, out
+    np.testing.assert_array_equal(ip.user_ns["old"], ip.user_ns["before"])  # the old program still runs
+
+    misses = nitro_ipy.cache_stats().misses
+    out = run(ip, capsys, "n2 = n.rebuild(); n2.train(); new = n2.predict({'x': X[:2]})")
+    assert STALE_LINE not in out and "poisoned" not in out, out
+    np.testing.assert_allclose(ip.user_ns["new"], factor * ip.user_ns["before"], rtol=1e-6)
+    recompiled = sorted(e.kind for e in _cache.live_entries() if id(e) not in before_kinds)
+    assert recompiled == ["grad", "predict"]  # never the optimizer
+    assert nitro_ipy.cache_stats().misses == misses + 2
+    return out_edit
+
+
+def test_helper_two_levels_below_the_hook(ip, capsys):
+    defs = """
+    def inner(z):
+        return z * 1.0
+
+    def helper(z):
+        return inner(z)
+    """
+    edit = """
+    def inner(z):
+        return z * 3.0
+    """
+    scenario(ip, capsys, defs, 'helper(x @ params["w"])', edit, ["__main__.inner"])
+
+
+def test_redefined_hook_method(ip, capsys):
+    run(ip, capsys, BASE.format(defs="", forward='x @ params["w"]'))
+    before_ids = {id(e) for e in _cache.live_entries()}
+    run(ip, capsys, BASE.split("X = np.ones")[0].format(defs="", forward='3.0 * (x @ params["w"])'))
+    out = run(ip, capsys, "n.train(); old = n.predict({'x': X[:2]})")
+    assert f"{STALE_LINE}: __main__.E.forward (grad, predict)" in out, out
+    np.testing.assert_array_equal(ip.user_ns["old"], ip.user_ns["before"])
+    run(ip, capsys, "n2 = n.rebuild(); n2.train(); new = n2.predict({'x': X[:2]})")
+    np.testing.assert_allclose(ip.user_ns["new"], 3.0 * ip.user_ns["before"], rtol=1e-6)
+    new_kinds = sorted(e.kind for e in _cache.live_entries() if id(e) not in before_ids)
+    assert new_kinds == ["grad", "predict"]
+    grad = [e for e in _cache.live_entries() if e.kind == "grad" and id(e) not in before_ids][0]
+    assert grad.why == "hook `forward` was redefined"
+
+
+def test_global_constant(ip, capsys):
+    defs = """
+    SCALE = 1.0
+
+    def act(z):
+        return z * SCALE
+    """
+    scenario(ip, capsys, defs, 'act(x @ params["w"])', "SCALE = 3.0", ["__main__.SCALE"])
+
+
+def test_closure_from_a_factory(ip, capsys):
+    defs = """
+    def make(s):
+        def scaled(z):
+            return z * s
+        return scaled
+
+    act = make(1.0)
+    """
+    scenario(ip, capsys, defs, 'act(x @ params["w"])', "act = make(3.0)", ["__main__.act"])
+
+
+def test_functools_partial(ip, capsys):
+    defs = """
+    def mul(z, s):
+        return z * s
+
+    act = functools.partial(mul, s=1.0)
+    """
+    scenario(ip, capsys, defs, 'act(x @ params["w"])', "act = functools.partial(mul, s=3.0)", ["__main__.act"])
+
+
+def test_decorated_helper(ip, capsys):
+    defs = """
+    def traced(f):
+        @functools.wraps(f)
+        def wrapper(*args):
+            return f(*args)
+        return wrapper
+
+    @traced
+    def act(z):
+        return z * 1.0
+    """
+    edit = """
+    @traced
+    def act(z):
+        return z * 3.0
+    """
+    scenario(ip, capsys, defs, 'act(x @ params["w"])', edit, ["__main__.act"])
+
+
+def test_helper_below_an_inner_jax_jit(ip, capsys):
+    # JAX caches the inner jit's trace by identity: without clearing it, the rebuilt handle would
+    # recompile the outer program around the old inner one.
+    defs = """
+    def inner(z):
+        return z * 1.0
+
+    @jax.jit
+    def act(z):
+        return inner(z)
+    """
+    edit = """
+    def inner(z):
+        return z * 3.0
+    """
+    scenario(ip, capsys, defs, 'act(x @ params["w"])', edit, ["__main__.inner"])
+
+
+def test_lambda(ip, capsys):
+    scenario(ip, capsys, "act = lambda z: z * 1.0", 'act(x @ params["w"])', "act = lambda z: z * 3.0",
+             ["__main__.act"])
+
+
+def _write_module(tmp_path, factor, comment=""):
+    path = tmp_path / "mymod.py"
+    path.write_text(f"{comment}\ndef act(z):\n    return z * {factor}\n")
+    st = os.stat(path)
+    os.utime(path, (st.st_atime, st.st_mtime + 10 * factor + len(comment)))  # a new mtime for autoreload
+    return path
+
+
+def test_module_file_edit_then_reload(ip, capsys, tmp_path):
+    _write_module(tmp_path, 1.0)
+    defs = "import mymod"
+    edit_reload = "importlib.reload(mymod)"
+    run(ip, capsys, BASE.format(defs=defs, forward='mymod.act(x @ params["w"])'))
+    _write_module(tmp_path, 3.0)
+    out = run(ip, capsys, "n.train()")  # saved, not reloaded: the live code did not change
+    assert "nitro_ipy: edited on disk, not loaded yet: mymod.act." in out, out
+    assert STALE_LINE not in out and "poisoned" not in out
+    out = run(ip, capsys, "n.train()")
+    assert "edited on disk" not in out  # said once per edit, not every cell
+    run(ip, capsys, edit_reload)
+    out = run(ip, capsys, "n.train(); old = n.predict({'x': X[:2]})")
+    assert "poisoned; redefined: mymod.act." in out, out
+    assert f"{STALE_LINE}: mymod.act (grad, predict)" in out, out
+    run(ip, capsys, "n2 = n.rebuild(); new = n2.predict({'x': X[:2]})")
+    np.testing.assert_allclose(ip.user_ns["new"], 3.0 * ip.user_ns["before"], rtol=1e-6)
+    np.testing.assert_array_equal(ip.user_ns["old"], ip.user_ns["before"])
+
+
+def test_autoreload_2_swaps_code_in_place(ip, capsys, tmp_path):
+    _write_module(tmp_path, 1.0)
+    run(ip, capsys, "%load_ext autoreload\n%autoreload 2")
+    try:
+        # `from mymod import act` binds the function object itself; autoreload updates it in place.
+        run(ip, capsys, BASE.format(defs="from mymod import act\nact_before = act", forward='act(x @ params["w"])'))
+        _write_module(tmp_path, 3.0)
+        out = run(ip, capsys, "same = act is act_before; n.train(); old = n.predict({'x': X[:2]})")
+        assert ip.user_ns["same"] is True  # the same function object, with new code
+        # Both names: the module's function, and the notebook global bound to the same object.
+        assert "poisoned; redefined: __main__.act, mymod.act." in out, out
+        assert f"{STALE_LINE}: __main__.act, mymod.act (grad, predict)" in out, out
+        np.testing.assert_array_equal(ip.user_ns["old"], ip.user_ns["before"])
+        run(ip, capsys, "n2 = n.rebuild(); new = n2.predict({'x': X[:2]})")
+        np.testing.assert_allclose(ip.user_ns["new"], 3.0 * ip.user_ns["before"], rtol=1e-6)
+    finally:
+        run(ip, capsys, "%autoreload 0")
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        "def act(z):\n    return z * SCALE\n",  # the same cell re-run
+        "def act(z):\n    # a comment now\n\n    return z * SCALE  # and here\n",  # comments and blank lines
+        "def unrelated(z):\n    return z + 1\nOTHER = 5\n",  # a function and a global the program never read
+    ],
+    ids=["rerun", "comment-only", "unrelated"],
+)
+def test_no_op_edits_poison_nothing(ip, capsys, edit):
+    defs = "SCALE = 1.0\n\ndef act(z):\n    return z * SCALE\n"
+    run(ip, capsys, BASE.format(defs=defs, forward='act(x @ params["w"])'))
+    run(ip, capsys, edit)
+    out = run(ip, capsys, "n.train(); n2 = n.rebuild(); n2.train(); same = n2.predict({'x': X[:2]})")
+    assert STALE_LINE not in out and "poisoned" not in out, out
+    assert nitro_ipy.cache_stats().misses == 3  # nothing recompiled
+    assert _cache.poisoned_entries() == []
+
+
+def test_deleted_function_counts_as_drifted(ip, capsys):
+    defs = "def act(z):\n    return z * 1.0\n"
+    run(ip, capsys, BASE.format(defs=defs, forward='act(x @ params["w"])'))
+    out = run(ip, capsys, "del act\nn.train()")
+    assert "poisoned; redefined: __main__.act." in out, out
+    assert f"{STALE_LINE}: __main__.act (grad, predict)" in out, out
+
+
+def test_no_scan_without_a_bump():
+    # The memo: after a scan, an entry point with no bump since does no re-resolution at all.
+    nitro_ipy.bump_world()
+    _cache.ensure_fresh()
+    scanned = _cache._state.scanned_world
+    _cache.ensure_fresh()
+    assert _cache._state.scanned_world == scanned == nitro_ipy.world()
