@@ -121,11 +121,19 @@ def cache_reset() -> None:
     global _state
     _state = _State()
     _state.scanned_world = _world.world()
-    for fn in _on_reset:
-        fn()
+    _notify(_on_reset)
 
 
 _on_reset: list[Callable[[], None]] = []
+
+
+def _notify(callbacks: list, *args) -> None:
+    """Call front-end callbacks; one that raises never breaks training or a compile."""
+    for fn in callbacks:
+        try:
+            fn(*args)
+        except Exception:
+            pass
 
 
 def live_entries() -> list[Entry]:
@@ -183,8 +191,7 @@ def compile_program(
     # A trace that raised (a bug in a hook) stored nothing, so it counts nothing: misses == entries holds.
     _state.misses += 1
     _state.entries[key] = entry
-    for fn_ in _on_compile:
-        fn_(entry)
+    _notify(_on_compile, entry)
     return entry
 
 

@@ -425,7 +425,7 @@ class Nitro:
                         losses = []
                         _fold_hits(grad, opt, hits)
                         hits = 0
-                        _progress_callbacks()
+                        _cache._notify(_cache._on_progress)  # the live panel, never per step
                         next_sync = time.perf_counter() + 0.25
                 if gate[1]:
                     raise KeyboardInterrupt
@@ -574,13 +574,6 @@ def _fold_hits(grad, opt, hits: int):
         _cache._state.hits += hits
 
 
-def _progress_callbacks():
-    """Front ends (the notebook panel) refresh at the step loop's sync points, never per step."""
-    for fn in _cache._on_progress:
-        try:
-            fn()
-        except Exception:  # a panel failing must never stop training
-            pass
 
 
 def _returns_its_inputs(opt_entry) -> bool:

@@ -1,0 +1,120 @@
+"""`notebooks/quickstart.ipynb`, executed headless in a real kernel (nbclient, as `demo.py` runs it).
+
+One execution for the module; each test reads its outputs.
+"""
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
+STALE_LINE = "! this handle's compiled programs had dependency methods redefined: __main__.huber (eval, grad)."
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+COMPILED = re.compile(r"^nitro_ipy: compiled (\S+) \[", re.M)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    spec = importlib.util.spec_from_file_location("nitro_demo", ROOT / "demo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def executed(demo):
+    nb, error = demo.execute_notebook(str(NOTEBOOK))
+    assert error is None, str(error)
+    return nb
+
+
+def _cell(nb, startswith: str):
+    (cell,) = [c for c in nb.cells if c.cell_type == "code" and c.source.startswith(startswith)]
+    return cell
+
+
+def _stream(cell) -> str:
+    return "".join(o.text for o in cell.outputs if o.output_type == "stream")
+
+
+def _displays(cell) -> list:
+    return [o.data for o in cell.outputs if o.output_type == "display_data"]
+
+
+def test_the_notebook_is_stored_without_outputs():
+    import nbformat
+
+    nb = nbformat.read(str(NOTEBOOK), as_version=4)
+    nbformat.validate(nb)
+    assert all(not c.get("outputs") and not c.get("execution_count") for c in nb.cells if c.cell_type == "code")
+
+
+def test_acceptance_check(executed):
+    out = _stream(_cell(executed, "nitro_ipy.cache_reset(); n = Nitro(e"))
+    assert COMPILED.findall(out) == ["grad", "opt", "eval"]
+    assert "CacheStats(hits=21, misses=3, entries=3)\nmisses == entries: True\n" in out
+
+
+def test_more_epochs_compile_nothing(executed):
+    cell = _cell(executed, "n.train(3)")
+    assert COMPILED.findall(_stream(cell)) == []
+    (result,) = [o for o in cell.outputs if o.output_type == "execute_result"]
+    assert result.data["text/plain"] == "CacheStats(hits=93, misses=3, entries=3)"
+
+
+def test_training_the_old_handle_shows_both_messages(executed):
+    cell = _cell(executed, "n.train(1);")
+    messages = [d for d in _displays(cell) if "text/html" in d]  # the progress bar has text/plain only
+    assert [m["text/plain"].split(":")[0] for m in messages] == ["nitro_ipy", STALE_LINE.split(":")[0]]
+    cache_msg, handle_msg = messages
+    assert cache_msg["text/plain"] == (
+        "nitro_ipy: 2 cached programs (eval, grad) poisoned; redefined: __main__.huber. Handles built from "
+        "now on recompile against the current code."
+    )
+    assert handle_msg["text/plain"].startswith(STALE_LINE)
+    assert all(WIDGET_VIEW in m for m in messages)
+    state = executed.metadata.widgets["application/vnd.jupyter.widget-state+json"]["state"]
+    boxes = [state[m[WIDGET_VIEW]["model_id"]]["state"] for m in messages]
+    assert [b["box_style"] for b in boxes] == ["info", "warning"]
+    (button,) = [state[c.split("IPY_MODEL_")[1]]["state"] for c in boxes[1]["children"]
+                 if state[c.split("IPY_MODEL_")[1]]["model_name"] == "ButtonModel"]
+    assert (button["description"], button["button_style"]) == ("Rebuild handle", "warning")
+    assert COMPILED.findall(_stream(cell)) == []  # the old handle keeps its programs: nothing compiles
+
+
+def test_the_rebuilt_handle_recompiles_only_grad_and_eval(executed):
+    out = _stream(_cell(executed, "n = n.rebuild()"))
+    assert COMPILED.findall(out) == ["grad", "eval"]
+    assert out.count("(recompiling against edited code: __main__.huber)") == 2
+    assert "dependency methods redefined" not in out
+
+
+def test_nitro_stats(executed):
+    cell = _cell(executed, "%nitro_stats")
+    (result,) = [o for o in cell.outputs if o.output_type == "execute_result"]
+    text = result.data["text/plain"].splitlines()
+    assert re.fullmatch(r"nitro_ipy cache: hits \d+ \| misses 5 \| entries 3 \| poisoned 2", text[0])
+    assert [line.split()[0] for line in text[2:7]] == ["opt", "grad", "eval", "grad", "eval"]
+    assert [line.endswith("poisoned (__main__.huber)") for line in text[2:7]] == [False, False, False, True, True]
+    assert "<th>state</th>" in result.data["text/html"]
+
+
+def test_the_panel_text_fallback_ends_up_current(executed):
+    (panel,) = _displays(_cell(executed, "%nitro_panel"))
+    assert re.fullmatch(
+        r"nitro_ipy panel: hits \d+ \| misses 5 \| entries 3 \| poisoned 2 \| latest compile: "
+        r"eval \[forward, loss\] in \d+\.\d\d s \(recompiling against edited code: __main__.huber\)",
+        panel["text/plain"],
+    )
+
+
+def test_demo_prints_what_a_user_sees(demo, executed):
+    text = demo.render(executed)
+    assert "In [6]:\n    nitro_ipy.cache_reset(); n = Nitro(e, batch_size=32, max_epochs=1)" in text
+    assert "misses == entries: True" in text
+    assert STALE_LINE in text
+    assert "0/10 [" not in text  # progress bars closed when their epoch ended, as in the notebook
+    assert COMPILED.findall(text) == ["grad", "opt", "eval", "grad", "eval"]
