@@ -410,10 +410,26 @@ def _disk_state(filename: str, memo: dict) -> tuple:
     key = ("D", filename)
     state = memo.get(key)
     if state is None:
-        data = _file_bytes(filename)
-        digest = _digest(data)
-        state = memo[key] = (digest, _LazyVersion(filename, data, digest))
+        try:
+            st = os.stat(filename)
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except OSError:
+            stamp = None
+        known = _disk_stamps.get(filename)
+        if stamp is not None and known is not None and known[0] == stamp:
+            state = known[1]  # unchanged since the last scan by stat: no read, no hash
+        else:
+            data = _file_bytes(filename)
+            digest = _digest(data)
+            state = (digest, _LazyVersion(filename, data, digest))
+            if stamp is not None:
+                _disk_stamps[filename] = (stamp, state)
+        memo[key] = state
     return state
+
+
+# filename -> ((mtime_ns, size, inode), state): a file whose stat did not move is not read again.
+_disk_stamps: dict[str, tuple] = {}
 
 
 class _LazyVersion:
@@ -517,8 +533,21 @@ def _check_value(nskey, module, recorded, key, name, expected, snap, memo) -> bo
     live = memo.get(key, _MISSING)
     if live is _MISSING:
         value = _live_namespace(module, recorded, memo, nskey).get(name, _MISSING)
-        if value is not _MISSING and snap is not None and len(snap) == 1 and _held(snap[0]) is value:
-            return True  # the same atom, module, array or library callable: the common case, fast
+        if value is not _MISSING and snap is not None and _held(snap[0]) is value:
+            if len(snap) == 1:
+                return True  # the same atom, module, array or library callable: the common case, fast
+            if type(value) is types.FunctionType:
+                if len(snap) == 5 and value.__closure__ is None and not value.__defaults__:
+                    # A plain function (no cells, no defaults): same object, same code, same name.
+                    if (
+                        _held(snap[1]) is value.__code__
+                        and snap[2] == value.__qualname__
+                        and snap[3] is None
+                        and _held(snap[4]) is value.__kwdefaults__
+                    ):
+                        return True
+                elif _same(snap, _snapshot(value) or ()):
+                    return True  # the same function object with the same code, defaults and cells
         live = memo[key] = None if value is _MISSING else _Live(value, attr=False)
     return live is not None and (expected is None or live.same_as(expected, snap))
 
