@@ -283,3 +283,27 @@ def test_no_scan_without_a_bump():
     scanned = _cache._state.scanned_world
     _cache.ensure_fresh()
     assert _cache._state.scanned_world == scanned == nitro_ipy.world()
+
+
+def test_running_train_is_pinned_to_the_code_it_started_with(ip, capsys):
+    defs = "def act(z):\n    return z * 1.0\n"
+    run(ip, capsys, BASE.format(defs=defs, forward='act(x @ params["w"])'))
+    # A schedule runs on the host every step: at the second step it redefines `act` and bumps the world,
+    # as a save in an editor would while the loop runs.
+    edit_mid_run = """
+    def edit(step):
+        if step == 1:
+            exec("def act(z):\\n    return z * 3.0\\n", globals())
+            nitro_ipy.bump_world()
+        return 0.0
+
+    n_pinned = Nitro(E(lr=0.0), data=data, batch_size=4, schedules={"lr": edit}, progress=False)
+    misses_before = nitro_ipy.cache_stats().misses
+    n_pinned.train()
+    misses_during = nitro_ipy.cache_stats().misses - misses_before
+    """
+    out = run(ip, capsys, edit_mid_run)
+    assert ip.user_ns["misses_during"] == 0  # both steps ran the cached programs resolved at step 1
+    assert STALE_LINE not in out
+    out = run(ip, capsys, "n_pinned.train()")  # the next entry point sees the edit
+    assert f"{STALE_LINE}: __main__.act (grad)" in out, out
