@@ -166,6 +166,7 @@ def compile_program(
     donate_argnums: tuple = (),
     info: dict | None = None,
     record: Callable | None = None,
+    compiler_options: dict | None = None,
 ) -> Entry:
     """Count a miss, trace/lower/compile `fn` at `args` (JAX AOT), time it and store the entry.
 
@@ -185,7 +186,14 @@ def compile_program(
         traced, closure = jitted.trace(*args), None
     lowered = traced.lower()
     t1 = time.perf_counter()
-    compiled = lowered.compile()
+    compiled = None
+    if compiler_options:
+        try:
+            compiled = lowered.compile(compiler_options=compiler_options)
+        except Exception:  # an XLA that does not know an option: compile as usual
+            compiled = None
+    if compiled is None:
+        compiled = lowered.compile()
     t2 = time.perf_counter()
     entry = Entry(key, compiled, t1 - t0, t2 - t1, closure, info or {}, why, world=_world.world())
     # A trace that raised (a bug in a hook) stored nothing, so it counts nothing: misses == entries holds.

@@ -31,6 +31,14 @@ from ._layout import FlatLayout, TreeLayout
 from . import _programs
 
 
+# The optimizer program unravels the flat buffers into one slice per parameter array. XLA:CPU's fusion
+# emitters compile each slice as its own LLVM module (35-150 ms apiece here: 4-6 s at 242 arrays); the
+# classic emitters at optimization level 1 compile the same program in about a quarter of that and run it
+# faster (benchmarks/profile_handle.py `optflags`). Only this program gets them: the gradient program,
+# which every edit recompiles, compiles slower with them.
+_OPT_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1}
+
+
 def _default_optimizer(self):
     return optax.adam(1e-3)
 
@@ -195,7 +203,8 @@ class Nitro:
 
         if _carry is not None:
             params, opt_state, self.step, self.epoch = _carry
-            self._params = jax.tree.map(lambda x: x.copy(), params)
+            # One transfer for every buffer, no per-shape copy programs: the old handle keeps its own.
+            self._params, opt_state = jax.device_put((params, opt_state), may_alias=False)
         else:
             rng = jax.random.PRNGKey(seed)
             self._params = jax.tree.map(_strong, self._init(e, rng))
@@ -207,7 +216,7 @@ class Nitro:
             opt_state = tx.init(self._layout.ravel(self._params))
             self._state = jax.tree.map(_strong, opt_state)
         else:
-            self._state = jax.tree.map(lambda x: x.copy(), opt_state)
+            self._state = opt_state
 
         self._programs: dict = {}  # key -> Entry: what this handle runs (kept even if poisoned)
         self._kinds_seen: dict = {}  # kind -> key of the first program of that kind
@@ -278,7 +287,7 @@ class Nitro:
 
     # ---------------------------------------------------------------- programs
     def _resolve(self, kind: str, build: Callable, args: tuple, names: tuple, hooks: tuple,
-                 options: tuple = (), donate=()):
+                 options: tuple = (), donate=(), compiler_options=None):
         key = _cache.Key(kind, self._owner, self._hooks_key(*hooks), _cache.arg_signature(args, names),
                          self._gc_hash, options)
         entry = self._programs.get(key)
@@ -288,7 +297,7 @@ class Nitro:
         entry = _cache.lookup(key)
         if entry is None:
             entry = _cache.compile_program(key, build(), args, donate_argnums=donate, info=self._info,
-                                           record=_closure.record)
+                                           record=_closure.record, compiler_options=compiler_options)
             _report.emit("compile", _compile_line(entry), entry=entry)
             first = self._kinds_seen.get(kind)
             if first is not None and first.hooks == key.hooks and kind not in self._loops_reported:
@@ -327,7 +336,8 @@ class Nitro:
         build = lambda: _programs.make_optimizer(self._view, self._optimizer, self._layout)
         return self._resolve("opt", build, (self._params, flat_grads, self._state, self._dev),
                              ("params", "grads", "opt_state", "device"), ("optimizer",),
-                             (("layout", self._layout.signature),), donate=(0, 2))
+                             (("layout", self._layout.signature),), donate=(0, 2),
+                             compiler_options=_OPT_COMPILER_OPTIONS)
 
     # ---------------------------------------------------------------- entry points
     def _enter(self):

@@ -1,7 +1,7 @@
 """Flat parameter layout: one 1-D buffer per dtype, so the optimizer updates a few large buffers.
 
 `ravel` (concatenation) is cheap to compile and goes wherever it is needed; `unravel` (one slice per
-array, ~5 ms of XLA compile each) only ever runs inside the optimizer program, which an edit to the model
+array, 5-150 ms of XLA compile each) only ever runs inside the optimizer program, which an edit to the model
 or loss never recompiles. The gradient program stays as lean as the user's own.
 """
 

@@ -1,0 +1,369 @@
+"""Where the handle's time goes: the measurements behind the recommendations of `bench_handle.py`.
+
+Each probe isolates one cost with a micro-benchmark (best-of-N and median, on the 120-layer MLP unless
+stated) so it can be re-measured after a change:
+
+    python3 benchmarks/profile_handle.py            # every probe (~4 min on 2 cores)
+    python3 benchmarks/profile_handle.py loop dispatch recorder optflags rebuild
+    python3 benchmarks/profile_handle.py --json out.json
+
+- `loop`: host-side cost per step of the step loop itself, programs stubbed out (nitro's `_train_epoch`
+  vs the hand-written loop): the handle's own Python overhead, no dispatch, no compute.
+- `dispatch`: per-step cost of the programs: fused step vs grad + opt, `Compiled.__call__` vs `._call`,
+  numpy vs device batches; tiny and 120-layer MLP.
+- `recorder`: trace (lower) time of the grad program with and without the dependency recorder, and the
+  cost of reading the same user functions from the jaxpr's source tracebacks instead.
+- `optflags`: XLA compile time and run time of the optimizer program (242 slices in its unravel) under
+  XLA CPU compiler options, without the params ravel, and next to a per-array (tree) optimizer.
+- `rebuild`: `n.rebuild()` after an edit, and three ways to copy the carried state.
+"""
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _models as M  # noqa: E402
+
+CLOSURE = M.ensure_closure_module()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import nitro_ipy  # noqa: E402
+from nitro_ipy import Nitro, _cache, _programs, _report  # noqa: E402
+
+DEEP = dict(in_dim=16, width=32, depth=120, batch=64)
+TINY = dict(in_dim=8, width=32, depth=1, batch=32)
+OUT: dict = {}
+
+
+def best(fn, reps: int, inner: int, sync=lambda: None) -> dict:
+    """Best and median per call (us) of `inner` calls of `fn`, over `reps` repetitions; plus the main
+    thread's CPU time per call (median)."""
+    wall, cpu = [], []
+    fn()
+    sync()
+    for _ in range(reps):
+        gc.collect()
+        c0, t0 = time.thread_time(), time.perf_counter()
+        for _ in range(inner):
+            fn()
+        sync()
+        wall.append((time.perf_counter() - t0) / inner * 1e6)
+        cpu.append((time.thread_time() - c0) / inner * 1e6)
+    return {"best_us": min(wall), "median_us": statistics.median(wall), "cpu_median_us": statistics.median(cpu)}
+
+
+def show(label: str, r: dict):
+    print(f"   {label:<52}{r['best_us']:>10.1f} us best {r['median_us']:>10.1f} us median "
+          f"{r['cpu_median_us']:>10.1f} us cpu", flush=True)
+
+
+def handle_for(cells, cfg, steps=64, name="Exp"):
+    cls = cells.define_experiment(name, **{k: cfg[k] for k in ("in_dim", "width", "depth")})
+    data = M.make_data(cfg["batch"] * steps, cfg["in_dim"])
+    n = Nitro(cls(), data={"train": data}, batch_size=cfg["batch"], progress=False)
+    n.train()
+    ent = {e.kind: e for e in _cache.live_entries() if e.key.owner.endswith("." + name)}
+    return n, data, ent
+
+
+# ---------------------------------------------------------------------------------------------- probes
+def probe_loop(cells):
+    """The step loop's own host cost: programs replaced by stubs returning their inputs' worth."""
+    print("loop: host cost per step with the programs stubbed out (slicing + loop + handle bookkeeping)")
+    res = {}
+    for label, cfg, steps in (("tiny", TINY, 2000), ("deep", DEEP, 400)):
+        nitro_ipy.cache_reset()
+        n, data, ent = handle_for(cells, cfg, steps, name=f"Loop{label}")
+        grad, opt = ent["grad"], ent["opt"]
+        g_out = grad.call(n._params, n._dev, {k: v[: cfg["batch"]] for k, v in data.items()})
+        real = grad.call, opt.call
+        grad.call = lambda p, d, b: g_out
+        opt.call = lambda p, g, s, d: (p, s)
+        try:
+            r_n = best(lambda: n.train(), 7, 1)
+        finally:
+            grad.call, opt.call = real
+        params = M.init_mlp(jax.random.PRNGKey(0), cfg["in_dim"], cfg["width"], cfg["depth"])
+        loss = jnp.zeros(())
+        b = M.Baseline(lambda p, s, x, y: (p, s, loss), optax.adam(1e-3), params, data, cfg["batch"])
+        r_b = best(lambda: b.run_epoch(), 7, 1)
+        per = lambda r: {k: v / steps for k, v in r.items()}
+        res[label] = {"nitro": per(r_n), "baseline": per(r_b)}
+        show(f"{label}: baseline loop, step stubbed", per(r_b))
+        show(f"{label}: nitro train(), grad+opt stubbed", per(r_n))
+    OUT["loop"] = res
+
+
+def probe_dispatch(cells):
+    print("dispatch: per-step cost of the programs (no host slicing; device or numpy batch)")
+    res = {}
+    for label, cfg, inner in (("tiny", TINY, 300), ("deep", DEEP, 20)):
+        nitro_ipy.cache_reset()
+        n, data, ent = handle_for(cells, cfg, name=f"Disp{label}")
+        G, O = ent["grad"].call, ent["opt"].call
+        Gc, Oc = G._call, O._call
+        bs = cfg["batch"]
+        xb = {"x": data["x"][:bs], "y": data["y"][:bs]}
+        xd = jax.device_put(xb)
+        step, opt = cells.define_baseline()
+        p0 = M.init_mlp(jax.random.PRNGKey(0), cfg["in_dim"], cfg["width"], cfg["depth"])
+        bst = [p0, opt.init(p0)]
+        nst = [n._params, n._state]
+        dev = n._dev
+        sync = lambda: jax.block_until_ready((nst, bst))
+
+        def base(batch):
+            def f():
+                bst[0], bst[1], _ = step(bst[0], bst[1], batch["x"], batch["y"])
+            return f
+
+        def nit(batch, g, o):
+            def f():
+                fg, _ = g(nst[0], dev, batch)
+                nst[0], nst[1] = o(nst[0], fg, nst[1], dev)
+            return f
+
+        fg0 = G(nst[0], dev, xd)[0]
+
+        def grad_only():
+            G(nst[0], dev, xd)
+
+        def opt_only():
+            nst[0], nst[1] = O(nst[0], fg0, nst[1], dev)
+
+        rows = [
+            ("baseline fused step, numpy batch", base(xb)),
+            ("baseline fused step, device batch", base(xd)),
+            ("nitro grad + opt, numpy batch", nit(xb, G, O)),
+            ("nitro grad + opt, device batch", nit(xd, G, O)),
+            ("nitro grad + opt via Compiled._call, device batch", nit(xd, Gc, Oc)),
+            ("nitro grad only, device batch", grad_only),
+            ("nitro opt only", opt_only),
+        ]
+        out = {}
+        # interleave the rows, several rounds, keep each row's best and median
+        acc = {k: [] for k, _ in rows}
+        for _ in range(5):
+            for k, f in rows:
+                acc[k].append(best(f, 3, inner, sync))
+        for k, _ in rows:
+            rs = acc[k]
+            out[k] = {"best_us": min(r["best_us"] for r in rs),
+                      "median_us": statistics.median(r["median_us"] for r in rs),
+                      "cpu_median_us": statistics.median(r["cpu_median_us"] for r in rs)}
+            show(f"{label}: {k}", out[k])
+        res[label] = out
+    OUT["dispatch"] = res
+
+
+def probe_recorder(cells):
+    print("recorder: trace (lower) time of the grad program at 242 arrays")
+    from nitro_ipy import _closure
+
+    nitro_ipy.cache_reset()
+    n, data, _ = handle_for(cells, DEEP, 8, name="Rec")
+    batch = {k: v[: DEEP["batch"]] for k, v in data.items()}
+    args = (n._params, n._dev, batch)
+
+    def build():
+        return _programs.make_gradient(n._view, n._forward, n._loss, ("x",), ("y",), n._layout, 1)
+
+    def plain():
+        t0 = time.perf_counter()
+        jax.jit(build()).lower(*args)
+        return time.perf_counter() - t0
+
+    def recorded():
+        t0 = time.perf_counter()
+        with _closure.record():
+            jax.jit(build()).lower(*args)
+        return time.perf_counter() - t0
+
+    def from_tracebacks():
+        """Trace once, then collect the user code objects from the jaxpr equations' source tracebacks."""
+        t0 = time.perf_counter()
+        traced = jax.jit(build()).trace(*args)
+        traced.lower()
+        t1 = time.perf_counter()
+        seen, tbs = {}, set()
+
+        def walk(jaxpr):
+            for eqn in jaxpr.eqns:
+                tb = eqn.source_info.traceback
+                if tb is not None and id(tb) not in tbs:
+                    tbs.add(id(tb))
+                    for code in tb.raw_frames()[0]:
+                        seen.setdefault(id(code), code)
+                for p in eqn.params.values():
+                    inner = getattr(p, "jaxpr", p)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+        walk(traced.jaxpr.jaxpr)
+        user = sorted({c.co_qualname for c in seen.values() if _closure._is_user_file(c.co_filename)})
+        from_tracebacks.user = user
+        return t1 - t0, time.perf_counter() - t1
+
+    res = {"plain": [], "recorded": [], "tracebacks_trace": [], "tracebacks_walk": []}
+    for _ in range(5):
+        res["plain"].append(plain())
+        res["recorded"].append(recorded())
+        a, b = from_tracebacks()
+        res["tracebacks_trace"].append(a)
+        res["tracebacks_walk"].append(b)
+    out = {k: {"best_s": min(v), "median_s": statistics.median(v)} for k, v in res.items()}
+    out["closure_mode"] = CLOSURE
+    out["user_functions_from_tracebacks"] = from_tracebacks.user
+    with _closure.record() as rec:
+        jax.jit(build()).lower(*args)
+    out["user_functions_recorded"] = sorted(d.qualname for d in rec.closure.functions) if rec.closure else None
+    for k in res:
+        print(f"   {k:<28}{out[k]['best_s']:>8.3f} s best {out[k]['median_s']:>8.3f} s median", flush=True)
+    print(f"   recorder saw {out['user_functions_recorded']}; tracebacks saw {out['user_functions_from_tracebacks']}")
+    OUT["recorder"] = out
+
+
+OPT_FLAGS = {
+    "default": None,
+    "no fusion emitters": {"xla_cpu_use_fusion_emitters": False},
+    "no fusion emitters + O1": {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1},
+    "no fusion emitters + O0": {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0},
+    "O0": {"xla_backend_optimization_level": 0},
+}
+
+
+def probe_optflags(cells):
+    print("optflags: optimizer program at 242 arrays: XLA compile seconds and run time per call")
+    nitro_ipy.cache_reset()
+    n, _, ent = handle_for(cells, DEEP, 8, name="Flags")
+    layout, dev = n._layout, n._dev
+    fn = _programs.make_optimizer(n._view, n._optimizer, layout)
+    params, state = n._params, n._state
+    flat = layout.ravel(params)
+    tx = optax.adam(1e-3)
+    def no_ravel(p, fg, s, d):
+        """The proposal: optimizers that never read params (adam, sgd, ...) skip the params ravel
+        (a 242-input concatenate) and add the unravelled updates per array."""
+        tx_ = n._optimizer(n._view(d))
+        updates, s = tx_.update(fg, s, None)
+        return jax.tree.map(lambda a, u: a + u, p, layout.unravel(updates)), s
+
+    progs, out = {}, {}
+    for prog, f in (("", fn), ("no params ravel, ", no_ravel)):
+        lowered = jax.jit(f, donate_argnums=(0, 2)).lower(params, flat, state, dev)
+        for flags, opts in OPT_FLAGS.items():
+            name = prog + flags
+            if prog and flags not in ("default", "no fusion emitters + O1"):
+                continue
+            t0 = time.perf_counter()
+            try:
+                progs[name] = lowered.compile(compiler_options=opts) if opts else lowered.compile()
+            except Exception as err:  # an option this XLA does not know
+                print(f"   {name:<36} unavailable: {str(err)[:80]}")
+                continue
+            out[name] = {"xla_s": time.perf_counter() - t0}
+
+    def tree_opt(p, g, s):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    t0 = time.perf_counter()
+    tl = jax.jit(tree_opt, donate_argnums=(0, 2)).lower(params, params, tx.init(params))
+    t1 = time.perf_counter()
+    progs["tree (per-array adam)"] = tl.compile()
+    out["tree (per-array adam)"] = {"xla_s": time.perf_counter() - t1, "trace_s": t1 - t0}
+    grads_tree = jax.tree.map(jnp.copy, params)
+    tree = "tree (per-array adam)"
+    states = {k: [jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, state) if k != tree
+                  else tx.init(params)] for k in progs}
+
+    def runner(k):
+        c, st = progs[k], states[k]
+        if k != tree:
+            def f():
+                st[0], st[1] = c(st[0], flat, st[1], dev)
+        else:
+            def f():
+                st[0], st[1] = c(st[0], grads_tree, st[1])
+        return f, lambda: jax.block_until_ready(st)
+
+    acc = {k: [] for k in progs}
+    for _ in range(5):
+        for k in progs:
+            f, sync = runner(k)
+            acc[k].append(best(f, 3, 20, sync))
+    for k in progs:
+        out[k].update(best_us=min(r["best_us"] for r in acc[k]),
+                      median_us=statistics.median(r["median_us"] for r in acc[k]))
+        print(f"   {k:<44} XLA {out[k]['xla_s']:>6.2f} s   run {out[k]['best_us']:>8.1f} us best "
+              f"{out[k]['median_us']:>8.1f} us median", flush=True)
+    OUT["optflags"] = out
+
+
+def probe_rebuild(cells):
+    print("rebuild: n.rebuild() after a class edit, and copying the carried state (242 + 3 arrays)")
+    nitro_ipy.cache_reset()
+    n, _, _ = handle_for(cells, DEEP, 8, name="Reb")
+    times = []
+    for k in range(5):
+        cells.define_experiment("Reb", **{x: DEEP[x] for x in ("in_dim", "width", "depth")},
+                                loss_expr=M.edited_loss(100 + k))
+        nitro_ipy.bump_world()
+        t0 = time.perf_counter()
+        n = n.rebuild()
+        times.append(time.perf_counter() - t0)
+    tree = (n._params, n._state)
+    ways = {
+        "tree.map(x.copy()) (now)": lambda t: jax.tree.map(lambda x: x.copy(), t),
+        "jax.device_put(tree, may_alias=False)": lambda t: jax.device_put(t, may_alias=False),
+        "one jitted copy of the tree": jax.jit(lambda t: jax.tree.map(jnp.copy, t)),
+    }
+    out = {"rebuild_s": times}
+    print(f"   rebuild: first {times[0] * 1e3:.1f} ms, then {min(times[1:]) * 1e3:.1f} ms best")
+    for name, f in ways.items():
+        ts = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(tree))
+            ts.append(time.perf_counter() - t0)
+        out[name] = {"first_ms": ts[0] * 1e3, "best_after_ms": min(ts[1:]) * 1e3}
+        print(f"   {name:<42} first {ts[0] * 1e3:>8.1f} ms   then {min(ts[1:]) * 1e3:>7.1f} ms best")
+    OUT["rebuild"] = out
+
+
+PROBES = {"loop": probe_loop, "dispatch": probe_dispatch, "recorder": probe_recorder,
+          "optflags": probe_optflags, "rebuild": probe_rebuild}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("probes", nargs="*", metavar="PROBE", help=f"any of {', '.join(PROBES)} (default: all)")
+    p.add_argument("--json", metavar="PATH", help="also write the measurements as JSON")
+    args = p.parse_args(argv)
+    _report.set_sink(lambda m: None)  # compile lines would interleave with the tables
+    cells = M.Cells()
+    print(f"jax {jax.__version__}, {os.cpu_count()} cpu, closure recording: {CLOSURE}, "
+          f"load avg {os.getloadavg()[0]:.1f}")
+    unknown = [x for x in args.probes if x not in PROBES]
+    if unknown:
+        p.error(f"unknown probe {', '.join(unknown)}; choose from {', '.join(PROBES)}")
+    for name in args.probes or PROBES:
+        PROBES[name](cells)
+    OUT["load_end"] = os.getloadavg()[0]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(OUT, f, indent=2, default=float)
+
+
+if __name__ == "__main__":
+    main()
