@@ -10,7 +10,6 @@ same cell re-run with a different loss body, so both sides see exactly the same 
   (a full trace + XLA compile on its first call), exactly what a JAX user gets today.
 """
 
-import contextlib
 import sys
 import time
 import types
@@ -18,39 +17,14 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 CELL_MODULE = "nitro_bench_cells"  # stands in for a notebook's `__main__`
 
 
 # ---------------------------------------------------------------------------------------------- setup
-def ensure_closure_module() -> str:
-    """`"real"` when `nitro_ipy._closure` (dependency recording) imports, else installs a no-op stand-in
-    so the handle can run at all, and returns `"stub"` (the report says so: trace times then exclude
-    closure recording, and a helper-only edit is invisible to the cache)."""
-    try:
-        import nitro_ipy._closure  # noqa: F401
-
-        return "real"
-    except ImportError:
-        pass
-    stub = types.ModuleType("nitro_ipy._closure")
-
-    class _Recorder:
-        closure = None
-
-    @contextlib.contextmanager
-    def record():
-        yield _Recorder()
-
-    stub.record = record
-    stub.note_class_attr = lambda cls, name, attr: None
-    stub.__nitro_bench_stub__ = True
-    sys.modules["nitro_ipy._closure"] = stub
-    import nitro_ipy
-
-    nitro_ipy._closure = stub
-    return "stub"
+def recording_mode() -> str:
+    """How dependency closures are recorded on this Python (the report says which)."""
+    return "sys.monitoring" if sys.version_info >= (3, 12) else "sys.setprofile"
 
 
 # ---------------------------------------------------------------------------------------------- model

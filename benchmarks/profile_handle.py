@@ -30,11 +30,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _models as M  # noqa: E402
 
-CLOSURE = M.ensure_closure_module()
+CLOSURE = M.recording_mode()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import nitro_ipy  # noqa: E402

@@ -4,7 +4,7 @@ import dataclasses
 import inspect
 import sys
 import typing
-from typing import Annotated, Any
+from typing import Annotated
 
 from ._errors import HostFieldAccessError, NitroTypeError
 

@@ -5,7 +5,6 @@ The handle owns the side effects (counters, messages, progress); the programs in
 
 import contextlib
 import dataclasses
-import math
 import signal
 import threading
 import time

@@ -5,7 +5,6 @@ handle, edits something in a later cell, and checks which handle runs which code
 programs and says so; the rebuilt one recompiles exactly the programs whose closure drifted.
 """
 
-import importlib
 import os
 import sys
 import textwrap
