@@ -6,7 +6,6 @@ The kernel side (rich messages, comms) is in test_kernel.py; the quickstart note
 import gc
 import subprocess
 import sys
-import textwrap
 import threading
 
 import pytest
@@ -14,42 +13,10 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 import nitro_ipy
+from _cells import TINY_EXPERIMENT
 from nitro_ipy import _cache, _extension, _report, _watch, _world
 
-EXPERIMENT = textwrap.dedent(
-    '''
-    import dataclasses
-    import jax, jax.numpy as jnp, numpy as np, optax
-    import nitro_ipy
-    from nitro_ipy import Device, GraphConst, Nitro
-
-    def helper(r):
-        return r ** 2
-
-    @dataclasses.dataclass
-    class Tiny:
-        hidden: GraphConst[int] = 4
-        lr: Device[float] = 1e-2
-
-        def init(self, rng):
-            return {"w": jax.random.normal(rng, (3, self.hidden)) * 0.1, "v": jnp.zeros(self.hidden)}
-
-        def forward(self, params, *, x):
-            return jnp.tanh(x @ params["w"]) @ params["v"]
-
-        def loss(self, outputs, *, y):
-            return jnp.mean(helper(outputs - y))
-
-        def optimizer(self):
-            return optax.sgd(self.lr)
-
-    rs = np.random.RandomState(0)
-    X = rs.normal(size=(64, 3)).astype(np.float32)
-    Y = X.sum(1).astype(np.float32)
-    data = {"train": {"x": X[:48], "y": Y[:48]}, "valid": {"x": X[48:], "y": Y[48:]}}
-    n = Nitro(Tiny(), data=data, batch_size=16, progress=False)
-    '''
-)
+EXPERIMENT = TINY_EXPERIMENT + "n = Nitro(Tiny(), data=data, batch_size=16, progress=False)\n"
 EDIT = "def helper(r):\n    return abs(r)\n"
 
 
