@@ -144,10 +144,10 @@ def poisoned_entries() -> list[Entry]:
     return list(_state.poisoned)
 
 
-def count_hit(entry: Entry) -> None:
-    """A handle reusing a program it already resolved counts as a cache hit."""
-    entry.hits += 1
-    _state.hits += 1
+def count_hit(entry: Entry, uses: int = 1) -> None:
+    """A handle reusing a program it already resolved counts as a cache hit, once per use."""
+    entry.hits += uses
+    _state.hits += uses
 
 
 def lookup(key: Key) -> Entry | None:

@@ -386,7 +386,7 @@ class Nitro:
         schedules = self._schedules
         gate = [False, False]  # [defer Ctrl-C now, Ctrl-C pending]
         losses, total, n_loss = [], 0.0, 0
-        hits, grad, opt = 0, None, None
+        reused, grad, opt = 0, None, None  # steady-state steps that reused the resolved programs
         try:
             with _deferred_interrupts(gate):
                 # First step: resolve both programs (maybe compiling); they stay fixed for the epoch when
@@ -394,12 +394,8 @@ class Nitro:
                 batch = next(batches)
                 if schedules:
                     self._apply_schedules()
-                grad = self._grad_entry(batch)
-                flat_grads, loss = grad.call(self._params, self._dev, batch)
-                opt = self._opt_entry(flat_grads)
+                grad, opt, loss = self._keyed_step(batch, gate)
                 stable = _returns_its_inputs(opt)
-                gate[0] = True
-                self._params, self._state = opt.call(self._params, flat_grads, self._state, self._dev)
                 self.step += 1
                 losses.append(loss)
                 gate[0] = False
@@ -414,16 +410,13 @@ class Nitro:
                     gate[0] = True  # from here to the stored results, Ctrl-C waits for the step
                     if schedules:
                         self._apply_schedules()
-                    if not stable:  # slow path: re-key every step (and report the loop)
-                        grad = self._grad_entry(batch)
-                        flat_grads, loss = grad.call(self._params, self._dev, batch)
-                        opt = self._opt_entry(flat_grads)
-                        opt_call = opt.call
-                        self._params, self._state = opt_call(self._params, flat_grads, self._state, self._dev)
-                    else:
+                    if stable:
                         flat_grads, loss = grad_call(self._params, self._dev, batch)
                         self._params, self._state = opt_call(self._params, flat_grads, self._state, self._dev)
-                        hits += 2
+                        reused += 1
+                    else:  # slow path: re-key every step (and report the loop)
+                        gate[0] = False  # nothing is donated yet, and a compile may follow
+                        grad, opt, loss = self._keyed_step(batch, gate)
                     self.step += 1
                     gate[0] = False
                     losses.append(loss)
@@ -432,18 +425,29 @@ class Nitro:
                     if time.perf_counter() > next_sync:
                         total, n_loss = self._check_losses(losses, total, n_loss, bar)
                         losses = []
-                        _fold_hits(grad, opt, hits)
-                        hits = 0
+                        _count_reuse(grad, opt, reused)
+                        reused = 0
                         _cache._notify(_cache._on_progress)  # the live panel, never per step
                         next_sync = time.perf_counter() + 0.25
                 if gate[1]:
                     raise KeyboardInterrupt
         finally:
-            _fold_hits(grad, opt, hits)
+            _count_reuse(grad, opt, reused)
             if bar is not None:
                 bar.close()
         total, n_loss = self._check_losses(losses, total, n_loss, None)
         return total / max(n_loss, 1)
+
+    def _keyed_step(self, batch, gate):
+        """One step that keys (and maybe compiles) both programs: the first step of an epoch, or every
+        step when the optimizer's outputs would move its key. Ctrl-C is held only once the optimizer
+        program, which donates params and state, is about to run."""
+        grad = self._grad_entry(batch)
+        flat_grads, loss = grad.call(self._params, self._dev, batch)
+        opt = self._opt_entry(flat_grads)
+        gate[0] = True
+        self._params, self._state = opt.call(self._params, flat_grads, self._state, self._dev)
+        return grad, opt, loss
 
     def _check_losses(self, losses, total, count, bar):
         if not losses:
@@ -574,15 +578,12 @@ def _accumulate(sums: dict, hook_name: str, result):
             sums[name] = (s, c)
 
 
-def _fold_hits(grad, opt, hits: int):
+def _count_reuse(grad, opt, steps: int):
     """Steady-state steps reuse the two entries resolved at the first step; each use is a cache hit,
     counted in a local and folded into the counters at sync points rather than paid per step."""
-    if hits:
-        grad.hits += hits // 2
-        opt.hits += hits // 2
-        _cache._state.hits += hits
-
-
+    if steps:
+        _cache.count_hit(grad, steps)
+        _cache.count_hit(opt, steps)
 
 
 def _returns_its_inputs(opt_entry) -> bool:
