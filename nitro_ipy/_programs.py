@@ -43,9 +43,11 @@ def make_gradient(view_of, forward, loss, input_names, target_names, layout, acc
 def make_optimizer(view_of, optimizer, layout):
     def update(params, flat_grads, opt_state, dev):
         tx = optimizer(view_of(dev))
-        flat = layout.ravel(params)
-        updates, opt_state = tx.update(flat_grads, opt_state, flat)
-        return layout.unravel(optax.apply_updates(flat, updates)), opt_state
+        # The flat params are only built for an optimizer that reads them (weight decay, say): for one
+        # that does not, XLA drops the concatenation, and a step never copies the whole model. The
+        # updates are then added array by array, exactly as `apply_updates` on the flat buffer would.
+        updates, opt_state = tx.update(flat_grads, opt_state, layout.ravel(params))
+        return optax.apply_updates(params, layout.unravel(updates)), opt_state
 
     return update
 
