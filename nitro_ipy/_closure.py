@@ -501,18 +501,15 @@ def _live_function(module: str, recorded: dict, qualname: str, memo: dict):
 class _Live:
     """A value as it is now; its fingerprint is computed at most once per scan, and only when needed."""
 
-    __slots__ = ("value", "attr", "_snapshot", "_fp")
+    __slots__ = ("value", "attr", "_fp")
 
     def __init__(self, value, attr: bool):
         self.value, self.attr = value, attr
-        self._snapshot = self._fp = _MISSING
+        self._fp = _MISSING
 
     def same_as(self, expected: str, snap) -> bool:
-        if snap is not None:
-            if self._snapshot is _MISSING:
-                self._snapshot = _snapshot(self.value)
-            if self._snapshot is not None and _same(snap, self._snapshot):
-                return True  # the very same objects as at record time: content unchanged
+        if snap is not None and _matches(snap, self.value):
+            return True  # the very same objects as at record time: content unchanged
         if self._fp is _MISSING:
             self._fp = _attr_fingerprint(self.value) if self.attr else _value_fingerprint(self.value)
         return self._fp == expected
@@ -533,21 +530,8 @@ def _check_value(nskey, module, recorded, key, name, expected, snap, memo) -> bo
     live = memo.get(key, _MISSING)
     if live is _MISSING:
         value = _live_namespace(module, recorded, memo, nskey).get(name, _MISSING)
-        if value is not _MISSING and snap is not None and _held(snap[0]) is value:
-            if len(snap) == 1:
-                return True  # the same atom, module, array or library callable: the common case, fast
-            if type(value) is types.FunctionType:
-                if len(snap) == 5 and value.__closure__ is None and not value.__defaults__:
-                    # A plain function (no cells, no defaults): same object, same code, same name.
-                    if (
-                        _held(snap[1]) is value.__code__
-                        and snap[2] == value.__qualname__
-                        and snap[3] is None
-                        and _held(snap[4]) is value.__kwdefaults__
-                    ):
-                        return True
-                elif _same(snap, _snapshot(value) or ()):
-                    return True  # the same function object with the same code, defaults and cells
+        if value is not _MISSING and snap is not None and _matches(snap, value):
+            return True  # the very same objects as at record time: the common case, fast
         live = memo[key] = None if value is _MISSING else _Live(value, attr=False)
     return live is not None and (expected is None or live.same_as(expected, snap))
 
@@ -578,8 +562,9 @@ def _snapshot(v, depth: int = 0) -> list | None:
 
     Immutable things qualify by identity (atoms, tuples and frozensets of them, concrete JAX arrays,
     modules); small lists and dicts, partials and functions by identity plus their mutable parts (items;
-    code, qualified name, defaults and closure cells). Anything else (NumPy arrays, objects) is None and
-    is fingerprinted by content on every scan.
+    code, qualified name, defaults and closure cells); small NumPy arrays by identity plus a `_Content`
+    digest of their bytes. Anything else (large or object arrays, objects) is None and is fingerprinted
+    by content on every scan. `_matches` walks a value in the same order.
     """
     t = type(v)
     if t in _ATOMS or t is types.ModuleType:
@@ -633,6 +618,9 @@ def _snapshot(v, depth: int = 0) -> list | None:
                 return None
             out += s
         return out
+    np = sys.modules.get("numpy")
+    if np is not None and t is np.ndarray and not v.dtype.hasobject and v.nbytes <= _CONTENT_BYTES:
+        return [v, _Content(v)]
     jax = sys.modules.get("jax")
     if jax is not None and isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer):
         return [v]
@@ -667,17 +655,166 @@ def _held(x):
     return x
 
 
-def _same(frozen: tuple, live: list) -> bool:
-    if len(frozen) != len(live):
-        return False
-    for held, obj in zip(frozen, live, strict=True):
-        if type(held) is _Ref:
-            held = held()
-            if held is None:
-                return False
-        if held is not obj:
-            return False
-    return True
+# Above this size hashing dominates either way, and a fingerprint is taken at record time already.
+_CONTENT_BYTES = 1 << 16
+
+
+class _Content:
+    """A NumPy array's dtype, shape and a digest of its bytes: an array changes in place, so its
+    identity proves nothing, but this is far cheaper to compare than a fingerprint. Held strongly (no
+    weak references to it: it lives in the snapshot only)."""
+
+    __slots__ = ("dtype", "shape", "digest")
+
+    def __init__(self, a):
+        self.dtype, self.shape = a.dtype, a.shape
+        self.digest = hashlib.blake2b(a.tobytes(), digest_size=16).digest()
+
+    def __eq__(self, other) -> bool:
+        return (
+            type(other) is _Content
+            and self.dtype is other.dtype  # builtin dtypes are shared objects; others fall back safely
+            and self.shape == other.shape
+            and self.digest == other.digest
+        )
+
+
+def _matches(frozen: tuple, v) -> bool:
+    """Whether `_snapshot(v)` would list the very objects `frozen` holds, found without building it.
+
+    Walks `v` in `_snapshot`'s order and stops at the first object that is not the recorded one. An
+    object found where the recorded one was is that object, so a leaf (an atom, module, JAX array or
+    library callable) needs no second look at what it is.
+    """
+    return _match(frozen, 0, v) == len(frozen)
+
+
+def _match(frozen: tuple, i: int, v) -> int:
+    """`_matches` for `v`'s part of the snapshot, starting at `frozen[i]`: where it ends, or -1."""
+    if i >= len(frozen):
+        return -1
+    held = frozen[i]
+    if type(held) is _Ref:
+        held = held()
+        if held is None:
+            return -1  # gone, so `v` is not it
+    if held is not v:
+        return -1
+    i += 1
+    t = type(v)
+    if t in _ATOMS:
+        return i
+    if t is tuple or t is frozenset:
+        items = v
+    elif t is list or t is dict:
+        if i >= len(frozen) or frozen[i] != len(v):
+            return -1
+        i += 1
+        items = _flat_items(v) if t is dict else v
+    elif t is functools.partial:
+        items = (v.func, v.args, v.keywords)
+    elif t is types.FunctionType:
+        # Recorded: the code (held weakly), then the qualified name, defaults and keyword defaults (not
+        # weakly referenceable, so held as they are; were they not, the test fails safe).
+        defaults, kwdefaults, closure = v.__defaults__, v.__kwdefaults__, v.__closure__
+        if (
+            len(frozen) < i + 4
+            or _held(frozen[i]) is not v.__code__
+            or frozen[i + 1] is not v.__qualname__
+            or frozen[i + 2] is not defaults
+            or frozen[i + 3] is not kwdefaults
+        ):
+            return -1
+        i += 4
+        if not (defaults or kwdefaults or closure):
+            return i  # a plain function
+        items = [part for part in (defaults, kwdefaults) if part]
+        for cell in closure or ():
+            try:
+                items.append(cell.cell_contents)
+            except ValueError:  # an empty cell: `_MISSING` in the snapshot
+                items.append(_MISSING)
+    elif i < len(frozen) and type(frozen[i]) is _Content:  # `v` is the recorded NumPy array
+        return i + 1 if frozen[i] == _Content(v) else -1
+    else:
+        return i  # a leaf
+    for item in items:
+        i = _match(frozen, i, item)
+        if i < 0:
+            return -1
+    return i
+
+
+# --------------------------------------------------------------------------------------------------------
+# Scan plans: a closure's checks arranged once, so that a scan is a few tight loops
+
+# The types whose snapshot lists parts that can change in place (items, code, defaults, cells, an
+# array's `_Content`).
+_MUTABLE_PARTS = frozenset({list, dict, functools.partial, types.FunctionType, _Content})
+
+
+def _memoized(check: tuple, memo: dict) -> bool:
+    """A `Closure._checks` entry's answer, resolved in full at most once per scan."""
+    key, checker, args, _name = check
+    ok = memo.get(key, _MISSING)
+    if ok is _MISSING:
+        ok = memo[key] = checker(*args, memo)
+    return ok
+
+
+def _scan_plan(checks: tuple) -> tuple:
+    """`(groups, rest)`: the global checks an identity test settles, per namespace, and all the others.
+
+    A group is `(nskey, module, recorded namespace, same, functions)`, where
+    - `same` holds `(name, held, check)` for a global whose snapshot follows from the value's identity
+      alone: none of its objects is a list, dict, partial or function, so it is an atom, a module, a JAX
+      array, a library callable, or a tuple / frozenset of such (`held`: the snapshot's first element);
+    - `functions` holds `(name, function ref, code ref, qualname, check)` for a plain function (no
+      defaults, keyword defaults or cells), the usual global a program reads.
+    `rest` holds the other checks (functions by name, class attributes, values with mutable parts or no
+    snapshot), resolved through `_memoized`; so does a snapshot whose objects are gone already.
+    """
+    groups: dict = {}
+    rest = []
+    for check in checks:
+        args = check[2]
+        if check[1] is not _check_value or args[6] is None:
+            rest.append(check)
+            continue
+        nskey, module, recorded, _key, name, _expected, snap = args
+        objs = [_held(x) for x in snap]
+        if any(o is _MISSING for o in objs):
+            rest.append(check)
+            continue
+        if not _MUTABLE_PARTS.intersection(map(type, objs)):
+            kind, item = 3, (name, snap[0], check)
+        elif (
+            len(snap) == 5
+            and type(objs[0]) is types.FunctionType
+            and type(snap[0]) is _Ref
+            and type(snap[1]) is _Ref
+            and snap[3] is None
+            and snap[4] is None
+        ):
+            kind, item = 4, (name, snap[0], snap[1], snap[2], check)
+        else:
+            rest.append(check)
+            continue
+        group = groups.get(nskey)
+        if group is None:
+            group = groups[nskey] = (nskey, module, recorded, [], [])
+        group[kind].append(item)
+    groups = tuple((k, module, ns, tuple(same), tuple(fns)) for k, module, ns, same, fns in groups.values())
+    return groups, tuple(rest)
+
+
+def _disk_plan(files: tuple) -> tuple:
+    """`Closure._files` grouped by source file: `(filename, digest at record time, entries)`."""
+    groups: dict = {}
+    for entry in files:
+        dep = entry[0]
+        groups.setdefault((dep.filename, dep.file_digest), []).append(entry)
+    return tuple((filename, digest, tuple(entries)) for (filename, digest), entries in groups.items())
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -696,7 +833,7 @@ class Closure:
             defined in a function); they are checked through what holds them.
     """
 
-    __slots__ = ("functions", "values", "untracked", "anonymous", "_checks", "_files")
+    __slots__ = ("functions", "values", "untracked", "anonymous", "_checks", "_files", "_plan", "_disk_plan")
 
     def __init__(self, functions=(), values=(), untracked=(), anonymous=(), checks=(), files=()):
         self.functions: tuple = tuple(functions)
@@ -708,6 +845,8 @@ class Closure:
         self._checks: tuple = tuple(checks)
         # (FuncDep, namespace it ran in, anonymous?) for file-backed functions
         self._files: tuple = tuple(files)
+        # `_checks` and `_files` arranged for fast scans (`_scan_plan`, `_disk_plan`), by the first scan.
+        self._plan = self._disk_plan = None
 
     def drift(self, memo: dict) -> list[str]:
         """Qualified names of dependencies that moved or no longer resolve, sorted.
@@ -715,16 +854,50 @@ class Closure:
         `memo` is shared by every closure of one scan, so each dependency is resolved once per scan. A
         drifted nested function is not listed under its drifted enclosing function.
         """
+        plan = self._plan
+        if plan is None:
+            plan = self._plan = _scan_plan(self._checks)
+        groups, rest = plan
         out = None
-        get = memo.get
-        for key, checker, args, name in self._checks:
-            ok = get(key, _MISSING)
-            if ok is _MISSING:
-                ok = memo[key] = checker(*args, memo)
-            if not ok:
-                if out is None:
-                    out = set()
-                out.add(name)
+        # Globals still bound to the very objects recorded, per namespace (looked up once), in tight
+        # loops: no memo, no call but a weak reference's. This is `_matches` inlined for the two
+        # commonest snapshots; a global that fails it takes the memoized checker, which resolves it in
+        # full (an identity test is as cheap as a memo lookup, so sharing those answers would not pay).
+        for nskey, module, recorded, same, functions in groups:
+            ns = memo.get(nskey)
+            if ns is None:
+                ns = _live_namespace(module, recorded, memo, nskey)
+            get = ns.get
+            for name, held, check in same:
+                # `held` is the recorded object (an atom, a tuple of atoms) or a weak reference to it. A
+                # dead reference returns None, hence the `is not None` (a weakly held value is never None).
+                value = get(name, _MISSING)
+                if value is held or (type(held) is _Ref and value is not None and held() is value):
+                    continue
+                if not _memoized(check, memo):
+                    out = out or set()
+                    out.add(check[3])
+            for name, fn_ref, code_ref, qualname, check in functions:
+                # A function without defaults or cells: the same object with the same code and name
+                # (`%autoreload 2` swaps `__code__` in place). `__closure__` is read-only, and a swapped
+                # code must have the same free variables, so there are no cells to look at.
+                fn = get(name)
+                if (
+                    fn is not None
+                    and fn_ref() is fn
+                    and fn.__code__ is code_ref()
+                    and fn.__defaults__ is None
+                    and fn.__kwdefaults__ is None
+                    and fn.__qualname__ == qualname
+                ):
+                    continue
+                if not _memoized(check, memo):
+                    out = out or set()
+                    out.add(check[3])
+        for check in rest:
+            if not _memoized(check, memo):
+                out = out or set()
+                out.add(check[3])
         return _collapse(out) if out else []
 
     def disk_edits(self, memo: dict) -> list[str]:
@@ -733,19 +906,24 @@ class Closure:
         That is "edited on disk, not loaded yet" (`importlib.reload` or `%autoreload` will pick it up).
         Comment-only and blank-line edits do not count: the file is compiled and compared by code.
         """
-        out = set()
-        for dep, ns, anonymous in self._files:
-            digest, version = _disk_state(dep.filename, memo)
-            if digest == dep.file_digest:
-                continue
-            if not anonymous:
-                live = _live_function(dep.module, ns, dep.qualname, memo)
-                if live is None or dep.fingerprint not in live:
-                    continue  # the live code moved: that is drift, not a pending disk edit
-            on_disk = version.codes(dep.qualname)
-            if on_disk is None or dep.fingerprint not in on_disk:
-                out.add(dep.qualified)
-        return _collapse(out)
+        plan = self._disk_plan
+        if plan is None:
+            plan = self._disk_plan = _disk_plan(self._files)
+        out = None
+        for filename, file_digest, files in plan:
+            digest, version = _disk_state(filename, memo)
+            if digest == file_digest:
+                continue  # the file is as recorded: none of its functions has a pending edit
+            for dep, ns, anonymous in files:
+                if not anonymous:
+                    live = _live_function(dep.module, ns, dep.qualname, memo)
+                    if live is None or dep.fingerprint not in live:
+                        continue  # the live code moved: that is drift, not a pending disk edit
+                on_disk = version.codes(dep.qualname)
+                if on_disk is None or dep.fingerprint not in on_disk:
+                    out = out or set()
+                    out.add(dep.qualified)
+        return _collapse(out) if out else []
 
     def names(self) -> list[str]:
         """Every dependency's qualified name, sorted (functions, globals, class attributes, cells)."""
