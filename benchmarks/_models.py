@@ -24,7 +24,11 @@ CELL_MODULE = "nitro_bench_cells"  # stands in for a notebook's `__main__`
 # ---------------------------------------------------------------------------------------------- setup
 def recording_mode() -> str:
     """How dependency closures are recorded on this Python (the report says which)."""
-    return "sys.monitoring" if sys.version_info >= (3, 12) else "sys.setprofile"
+    from nitro_ipy import _closure
+
+    with _closure.record() as rec:
+        mode = rec._mode
+    return {"monitoring": "sys.monitoring", "traceback": "jaxpr tracebacks", "profile": "sys.setprofile"}[mode]
 
 
 # ---------------------------------------------------------------------------------------------- model

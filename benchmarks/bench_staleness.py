@@ -259,7 +259,7 @@ def cache_program(owner: str, fn, x, compile_: bool):
     if compile_:
         return _cache.compile_program(key, fn, (x,), record=_closure.record)
     with _closure.record() as recorder:
-        jax.jit(fn).trace(x)
+        recorder.traced(jax.jit(fn).trace(x).jaxpr)
     entry = _cache.Entry(key, None, 0.0, 0.0, recorder.closure, world=_world.world())
     _cache._state.entries[key] = entry
     return entry

@@ -166,69 +166,50 @@ def probe_dispatch(cells):
 
 
 def probe_recorder(cells):
-    print("recorder: trace (lower) time of the grad program at 242 arrays")
+    print("recorder: trace (lower) time of the grad program at 242 arrays, per way of recording")
     from nitro_ipy import _closure
 
     nitro_ipy.cache_reset()
     n, data, _ = handle_for(cells, DEEP, 8, name="Rec")
     batch = {k: v[: DEEP["batch"]] for k, v in data.items()}
     args = (n._params, n._dev, batch)
+    modes = ["monitoring", "traceback"] if sys.version_info >= (3, 12) else ["traceback", "profile"]
 
     def build():
         return _programs.make_gradient(n._view, n._forward, n._loss, ("x",), ("y",), n._layout, 1)
 
     def plain():
         t0 = time.perf_counter()
-        jax.jit(build()).lower(*args)
+        jax.jit(build()).trace(*args).lower()
         return time.perf_counter() - t0
 
-    def recorded():
-        t0 = time.perf_counter()
-        with _closure.record():
-            jax.jit(build()).lower(*args)
-        return time.perf_counter() - t0
+    def recorded(mode):
+        os.environ["NITRO_IPY_RECORDER"] = mode
+        try:
+            fn = build()  # as in the handle: the program function is built before recording starts
+            t0 = time.perf_counter()
+            with _closure.record() as rec:  # as `compile_program` does: record the trace, then lower
+                traced = jax.jit(fn).trace(*args)
+                rec.traced(traced.jaxpr)
+            traced.lower()
+            recorded.functions[mode] = sorted(d.qualname for d in rec.closure.functions)
+            return time.perf_counter() - t0
+        finally:
+            del os.environ["NITRO_IPY_RECORDER"]
 
-    def from_tracebacks():
-        """Trace once, then collect the user code objects from the jaxpr equations' source tracebacks."""
-        t0 = time.perf_counter()
-        traced = jax.jit(build()).trace(*args)
-        traced.lower()
-        t1 = time.perf_counter()
-        seen, tbs = {}, set()
-
-        def walk(jaxpr):
-            for eqn in jaxpr.eqns:
-                tb = eqn.source_info.traceback
-                if tb is not None and id(tb) not in tbs:
-                    tbs.add(id(tb))
-                    for code in tb.raw_frames()[0]:
-                        seen.setdefault(id(code), code)
-                for p in eqn.params.values():
-                    inner = getattr(p, "jaxpr", p)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-        walk(traced.jaxpr.jaxpr)
-        user = sorted({c.co_qualname for c in seen.values() if _closure._is_user_file(c.co_filename)})
-        from_tracebacks.user = user
-        return t1 - t0, time.perf_counter() - t1
-
-    res = {"plain": [], "recorded": [], "tracebacks_trace": [], "tracebacks_walk": []}
+    recorded.functions = {}
+    res = {"plain": [], **{m: [] for m in modes}}
     for _ in range(5):
         res["plain"].append(plain())
-        res["recorded"].append(recorded())
-        a, b = from_tracebacks()
-        res["tracebacks_trace"].append(a)
-        res["tracebacks_walk"].append(b)
+        for m in modes:
+            res[m].append(recorded(m))
     out = {k: {"best_s": min(v), "median_s": statistics.median(v)} for k, v in res.items()}
-    out["closure_mode"] = CLOSURE
-    out["user_functions_from_tracebacks"] = from_tracebacks.user
-    with _closure.record() as rec:
-        jax.jit(build()).lower(*args)
-    out["user_functions_recorded"] = sorted(d.qualname for d in rec.closure.functions) if rec.closure else None
+    out["default_mode"] = modes[0]
+    out["functions"] = recorded.functions
     for k in res:
         print(f"   {k:<28}{out[k]['best_s']:>8.3f} s best {out[k]['median_s']:>8.3f} s median", flush=True)
-    print(f"   recorder saw {out['user_functions_recorded']}; tracebacks saw {out['user_functions_from_tracebacks']}")
+    for m, fns in recorded.functions.items():
+        print(f"   {m} saw {fns}")
     OUT["recorder"] = out
 
 

@@ -177,10 +177,10 @@ def compile_program(
     jitted = jax.jit(fn, donate_argnums=donate_argnums)
     t0 = time.perf_counter()
     if record is not None:
-        # Only the trace runs user Python; lowering outside the recorder keeps its cost off 3.11's
-        # profiler hook.
+        # Only the trace runs user Python; lowering stays outside the recorder (and off a profiler hook).
         with record() as recorder:
             traced = jitted.trace(*args)
+            recorder.traced(traced.jaxpr)
         closure = recorder.closure
     else:
         traced, closure = jitted.trace(*args), None

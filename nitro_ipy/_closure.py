@@ -25,10 +25,18 @@ global, class attribute or GraphConst field that holds it. A scan that follows n
 each value keeps weak references to the objects it was made of (an "identity snapshot"), so an unchanged
 global is recognized by identity and only mutable contents (NumPy arrays, objects) are hashed again.
 
-Recording uses `sys.monitoring` (Python 3.12+, `PY_START`, library code disabled after its first call)
-or `sys.setprofile` (3.11, or when no monitoring tool id is free). Nested recorders in one thread share
-the hook and every active recorder receives every event: an outer recording also depends on what an
-inner one traced. Recorders in other threads are independent.
+Three ways to see the functions a trace runs (`NITRO_IPY_RECORDER` picks one; the default is the first
+this Python has):
+
+- `monitoring` (3.12+): `sys.monitoring` `PY_START`, library code disabled after its first call;
+- `traceback` (3.11, or when no monitoring tool id is free, or a C profiler holds the profile hook): no
+  hook at all. JAX keeps the Python stack of every equation; the user code objects on those stacks (in
+  every sub-jaxpr too) are looked up in the user's namespaces for their globals and cells (`_FunctionIndex`).
+  A function that binds no primitive is on no stack and is found by the static walk above;
+- `profile` (opt-in on 3.11): `sys.setprofile`, exhaustive, but its 1.5M events double a deep model's trace.
+
+Nested recorders in one thread share the hook and every active recorder receives every event: an outer
+recording also depends on what an inner one traced. Recorders in other threads are independent.
 """
 
 from __future__ import annotations
@@ -1116,15 +1124,17 @@ class Recorder:
     """Records the dependency closure of the code run inside `with record() as r:`; `r.closure` after.
 
     Nested recorders in one thread all receive every event (the outer one also depends on what the inner
-    one traced); recorders in other threads are independent.
+    one traced); recorders in other threads are independent. In the `traceback` mode the code inside the
+    block hands each traced jaxpr over with `r.traced(jaxpr)`.
     """
 
-    __slots__ = ("closure", "_frames", "_attrs", "_mode", "_tid")
+    __slots__ = ("closure", "_frames", "_attrs", "_jaxprs", "_mode", "_tid")
 
     def __init__(self):
         self.closure: Closure | None = None
         self._frames: dict[int, tuple] = {}  # id(code) -> (code, globals, cells or None)
         self._attrs: dict[tuple, tuple] = {}  # (id(cls), name) -> (cls, name, attr)
+        self._jaxprs: list = []  # traced jaxprs (traceback mode)
         self._mode = None
         self._tid = None
 
@@ -1135,6 +1145,9 @@ class Recorder:
 
     def __exit__(self, *exc) -> None:
         _hooks.exit(self)
+        if self._jaxprs:
+            for code, ns, cells in _traceback_functions(self._jaxprs):
+                self._frames.setdefault(id(code), (code, ns, cells))
         builder = _Builder()
         for code, ns, _cells in self._frames.values():
             builder.executed.add((ns.get("__name__") or "?", code.co_qualname))
@@ -1145,6 +1158,14 @@ class Recorder:
         self.closure = builder.build()
         self._frames.clear()
         self._attrs.clear()
+        self._jaxprs.clear()
+
+    def traced(self, jaxpr) -> None:
+        """Hand over a jaxpr traced inside this block (`compile_program` does). The traceback mode reads
+        the user functions from it, for every recorder of this thread; the hook modes saw them run."""
+        for rec in _hooks.active.get(self._tid, ()):
+            if rec._mode == "traceback":
+                rec._jaxprs.append(jaxpr)
 
     def _note(self, frame, code) -> None:
         """A user function started: remember its code, globals and (closures) its cell values."""
@@ -1173,6 +1194,156 @@ def note_class_attr(cls, name: str, attr) -> None:
             rec._attrs.setdefault((id(cls), name), (cls, name, attr))
 
 
+# --------------------------------------------------------------------------------------------------------
+# The traceback mode: the user functions a trace ran, read from its equations' source tracebacks
+
+
+def _sub_jaxprs(params: dict) -> list:
+    """The jaxprs an equation carries (pjit, scan, cond branches, while, custom_jvp/vjp, remat)."""
+    out = []
+    for value in params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            inner = getattr(v, "jaxpr", v)  # a ClosedJaxpr holds its Jaxpr
+            if hasattr(inner, "eqns"):
+                out.append(inner)
+    return out
+
+
+def _traceback_codes(jaxprs: list) -> dict[int, types.CodeType]:
+    """User code objects on the Python stack when any equation (at any depth) was traced.
+
+    JAX keeps a traceback per equation, cut at the traced function (cached inner jaxprs keep theirs):
+    every user function that bound a primitive, directly or any number of calls down, is on one.
+    `<module>` frames are never a function the program depends on."""
+    codes, seen_tb, seen_jaxpr, keep = {}, set(), set(), []
+    stack = [getattr(j, "jaxpr", j) for j in jaxprs]
+    get_verdict = _file_verdicts.get
+    while stack:
+        jaxpr = stack.pop()
+        if id(jaxpr) in seen_jaxpr:
+            continue
+        seen_jaxpr.add(id(jaxpr))
+        keep.append(jaxpr)
+        for eqn in jaxpr.eqns:
+            tb = eqn.source_info.traceback
+            if tb is not None and id(tb) not in seen_tb:
+                seen_tb.add(id(tb))
+                keep.append(tb)
+                for code in tb.raw_frames()[0]:
+                    if code.co_name == "<module>":
+                        break
+                    verdict = get_verdict(code.co_filename)
+                    if verdict is None:
+                        verdict = _classify_file(code.co_filename)
+                    if verdict:
+                        codes[id(code)] = code
+            if eqn.params:
+                stack.extend(_sub_jaxprs(eqn.params))
+    return codes
+
+
+class _FunctionIndex:
+    """Where a user code object lives: the function holding it (for its globals and closure cells).
+
+    A traceback names code objects only, so the functions are looked up among the user's namespaces
+    (user modules, `__main__`, the IPython user namespace) and the classes defined there, nested code
+    included. Rebuilt after a world bump, and once more when a code is not found (defined since)."""
+
+    def __init__(self):
+        self.world = None
+        self.owners: dict[int, tuple] = {}  # id(code) -> (code, globals, cells or None, is a function)
+        self.files: dict[str, dict] = {}  # module file -> its globals
+
+    def lookup(self, code: types.CodeType, rebuilt: list) -> tuple:
+        hit = self.owners.get(id(code))
+        if (hit is None or hit[0] is not code) and not rebuilt:
+            rebuilt.append(True)
+            self.build()
+            hit = self.owners.get(id(code))
+        if hit is not None and hit[0] is code:
+            return hit[:3]
+        # Not held by any namespace (a lambda in a container, a closure made and dropped): its module's
+        # globals, so its reads are still recorded; by name it resolves to nothing, so it is anonymous.
+        ns = self.files.get(code.co_filename)
+        if ns is None:
+            ns = self._namespaces()[0][1] if _is_cell_file(code.co_filename) else {"__name__": "?"}
+        return code, ns, None
+
+    def fresh(self) -> _FunctionIndex:
+        from ._world import world
+
+        if self.world != world():
+            self.build()
+        return self
+
+    @staticmethod
+    def _namespaces() -> list[tuple[str, dict]]:
+        out = []
+        shell = sys.modules.get("IPython")
+        get_ipython = getattr(shell, "get_ipython", None)
+        ip = get_ipython() if get_ipython is not None else None
+        if ip is not None:
+            out.append(("__main__", ip.user_ns))
+        for name, module in list(sys.modules.items()):
+            ns = getattr(module, "__dict__", None)
+            if isinstance(ns, dict) and _is_user_module(name):
+                out.append((name, ns))
+        if not out or out[0][0] != "__main__":
+            out.insert(0, ("__main__", getattr(sys.modules.get("__main__"), "__dict__", {})))
+        return out
+
+    def build(self) -> None:
+        from ._world import world
+
+        self.world = world()
+        owners, files = {}, {}
+        for _name, ns in self._namespaces():
+            filename = ns.get("__file__")
+            if isinstance(filename, str):
+                files.setdefault(filename, ns)
+            for value in list(ns.values()):
+                self._add(value, owners, 0)
+        self.owners, self.files = owners, files
+
+    def _add(self, value, owners: dict, depth: int) -> None:
+        if isinstance(value, type):
+            if depth < 2 and _is_user_module(getattr(value, "__module__", "") or ""):
+                for attr in list(vars(value).values()):
+                    self._add(attr, owners, depth + 1)
+            return
+        if not callable(value) and not isinstance(value, (staticmethod, classmethod, property)):
+            return
+        for fn in _underlying(value):
+            if not _is_user_function(fn):
+                continue
+            code = fn.__code__
+            cells = [(k, v) for k, v in zip(code.co_freevars, _cell_contents(fn.__closure__), strict=True)
+                     if v is not _MISSING]
+            hit = owners.get(id(code))
+            if hit is None or not hit[3]:  # a function object beats a code nested in another function
+                owners[id(code)] = (code, fn.__globals__, cells, True)
+            elif hit[2] and any(a is not b for (_, a), (_, b) in zip(hit[2], cells)):
+                owners[id(code)] = (code, hit[1], None, True)  # closures sharing this code: which ran?
+            stack = [code]
+            while stack:
+                for const in stack.pop().co_consts:
+                    if isinstance(const, types.CodeType):
+                        owners.setdefault(id(const), (const, fn.__globals__, None, False))
+                        stack.append(const)
+
+
+_index = _FunctionIndex()
+
+
+def _traceback_functions(jaxprs: list) -> list[tuple]:
+    """(code, globals, cells or None) of each user function the traced jaxprs' tracebacks show."""
+    codes = _traceback_codes(jaxprs)
+    if not codes:
+        return []
+    index, rebuilt = _index.fresh(), []
+    return [index.lookup(code, rebuilt) for code in codes.values()]
+
+
 class _Hooks:
     """Installs one interpreter hook while any recorder is active; dispatches to the thread's recorders."""
 
@@ -1186,14 +1357,17 @@ class _Hooks:
     # ---- entry and exit
 
     def enter(self, rec: Recorder) -> str:
+        wanted = os.environ.get("NITRO_IPY_RECORDER") or ("monitoring" if hasattr(sys, "monitoring") else "traceback")
         with self.lock:
             stack = self.active.setdefault(rec._tid, [])
             stack.append(rec)
             if len(stack) > 1:
                 return stack[0]._mode  # the thread's hook is installed already
-            if hasattr(sys, "monitoring") and self._claim_monitoring():
+            if wanted == "monitoring" and hasattr(sys, "monitoring") and self._claim_monitoring():
                 return "monitoring"
-        return self._install_profile(rec._tid, stack)
+        if wanted == "profile":
+            return self._install_profile(rec._tid, stack)
+        return "traceback"
 
     def exit(self, rec: Recorder) -> None:
         with self.lock:
@@ -1259,8 +1433,8 @@ class _Hooks:
         prev = sys.getprofile()
         if prev is not None and not callable(prev):
             # A C profiler (cProfile on 3.11) cannot be chained or restored from Python: leave it alone
-            # and record statically (compile-view attributes and what they reach) only.
-            return "static"
+            # and read the trace's tracebacks instead.
+            return "traceback"
         get_verdict = _file_verdicts.get
 
         def hook(frame, event, arg):
