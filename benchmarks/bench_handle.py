@@ -262,6 +262,8 @@ def edit_cycles(cells, name, cfg, n, b) -> dict:
                 jax.block_until_ready((n.params, n.state))
             new = [e for e in _cache.live_entries() if id(e) not in before]
             misses = nitro_ipy.cache_stats().misses - misses0
+            if [e.kind for e in new] != ["grad"]:  # an edit nitro did not see would time a stale program
+                raise RuntimeError(f"the {kind} edit recompiled {sorted(e.kind for e in new)}, not exactly grad")
             # --- baseline: the user re-runs the cell defining the jitted step (new jax.jit), one epoch
             step, _ = cells.define_baseline(expr)
             b.step = step

@@ -180,7 +180,7 @@ def compile_program(
         # Only the trace runs user Python; lowering stays outside the recorder (and off a profiler hook).
         with record() as recorder:
             traced = jitted.trace(*args)
-            recorder.traced(traced.jaxpr)
+            recorder.traced(traced.jaxpr, fn)
         closure = recorder.closure
     else:
         traced, closure = jitted.trace(*args), None

@@ -1128,13 +1128,14 @@ class Recorder:
     block hands each traced jaxpr over with `r.traced(jaxpr)`.
     """
 
-    __slots__ = ("closure", "_frames", "_attrs", "_jaxprs", "_mode", "_tid")
+    __slots__ = ("closure", "_frames", "_attrs", "_jaxprs", "_roots", "_mode", "_tid")
 
     def __init__(self):
         self.closure: Closure | None = None
         self._frames: dict[int, tuple] = {}  # id(code) -> (code, globals, cells or None)
         self._attrs: dict[tuple, tuple] = {}  # (id(cls), name) -> (cls, name, attr)
         self._jaxprs: list = []  # traced jaxprs (traceback mode)
+        self._roots: list = []  # the functions traced (traceback mode)
         self._mode = None
         self._tid = None
 
@@ -1146,7 +1147,8 @@ class Recorder:
     def __exit__(self, *exc) -> None:
         _hooks.exit(self)
         if self._jaxprs:
-            for code, ns, cells in _traceback_functions(self._jaxprs):
+            roots = [*self._roots, *(attr for _cls, _name, attr in self._attrs.values())]
+            for code, ns, cells in _traceback_functions(self._jaxprs, roots):
                 self._frames.setdefault(id(code), (code, ns, cells))
         builder = _Builder()
         for code, ns, _cells in self._frames.values():
@@ -1159,13 +1161,17 @@ class Recorder:
         self._frames.clear()
         self._attrs.clear()
         self._jaxprs.clear()
+        self._roots.clear()
 
-    def traced(self, jaxpr) -> None:
-        """Hand over a jaxpr traced inside this block (`compile_program` does). The traceback mode reads
-        the user functions from it, for every recorder of this thread; the hook modes saw them run."""
+    def traced(self, jaxpr, fn=None) -> None:
+        """Hand over a jaxpr traced inside this block and the function traced (`compile_program` does).
+        The traceback mode reads the user functions from the jaxpr, for every recorder of this thread,
+        and finds their globals starting from `fn`; the hook modes saw them run."""
         for rec in _hooks.active.get(self._tid, ()):
             if rec._mode == "traceback":
                 rec._jaxprs.append(jaxpr)
+                if fn is not None:
+                    rec._roots.append(fn)
 
     def _note(self, frame, code) -> None:
         """A user function started: remember its code, globals and (closures) its cell values."""
@@ -1253,17 +1259,20 @@ class _FunctionIndex:
         self.world = None
         self.owners: dict[int, tuple] = {}  # id(code) -> (code, globals, cells or None, is a function)
         self.files: dict[str, dict] = {}  # module file -> its globals
+        self.scanned: set[int] = set()  # ids of the namespaces indexed
 
-    def lookup(self, code: types.CodeType, rebuilt: list) -> tuple:
+    def lookup(self, code: types.CodeType, rebuilt: list) -> tuple | None:
         hit = self.owners.get(id(code))
         if (hit is None or hit[0] is not code) and not rebuilt:
             rebuilt.append(True)
             self.build()
             hit = self.owners.get(id(code))
-        if hit is not None and hit[0] is code:
-            return hit[:3]
-        # Not held by any namespace (a lambda in a container, a closure made and dropped): its module's
-        # globals, so its reads are still recorded; by name it resolves to nothing, so it is anonymous.
+        return hit[:3] if hit is not None and hit[0] is code else None
+
+    def fallback(self, code: types.CodeType) -> tuple:
+        """A code no namespace holds (a lambda in a container, a closure made and dropped): the globals of
+        its module file, or of the notebook for a cell, so its reads are still recorded. By name it
+        resolves to nothing, so it is anonymous, covered through whatever holds it."""
         ns = self.files.get(code.co_filename)
         if ns is None:
             ns = self._namespaces()[0][1] if _is_cell_file(code.co_filename) else {"__name__": "?"}
@@ -1296,20 +1305,26 @@ class _FunctionIndex:
         from ._world import world
 
         self.world = world()
-        owners, files = {}, {}
+        owners, files, scanned = {}, {}, set()
         for _name, ns in self._namespaces():
             filename = ns.get("__file__")
             if isinstance(filename, str):
                 files.setdefault(filename, ns)
-            for value in list(ns.values()):
-                self._add(value, owners, 0)
-        self.owners, self.files = owners, files
+            self.add_namespace(ns, owners)
+            scanned.add(id(ns))
+        self.owners, self.files, self.scanned = owners, files, scanned
 
-    def _add(self, value, owners: dict, depth: int) -> None:
+    @classmethod
+    def add_namespace(cls, ns: dict, owners: dict) -> None:
+        for value in list(ns.values()):
+            cls._add(value, owners, 0)
+
+    @classmethod
+    def _add(cls, value, owners: dict, depth: int) -> None:
         if isinstance(value, type):
             if depth < 2 and _is_user_module(getattr(value, "__module__", "") or ""):
                 for attr in list(vars(value).values()):
-                    self._add(attr, owners, depth + 1)
+                    cls._add(attr, owners, depth + 1)
             return
         if not callable(value) and not isinstance(value, (staticmethod, classmethod, property)):
             return
@@ -1335,13 +1350,39 @@ class _FunctionIndex:
 _index = _FunctionIndex()
 
 
-def _traceback_functions(jaxprs: list) -> list[tuple]:
-    """(code, globals, cells or None) of each user function the traced jaxprs' tracebacks show."""
+def _traceback_functions(jaxprs: list, roots: list) -> list[tuple]:
+    """(code, globals, cells or None) of each user function the traced jaxprs' tracebacks show.
+
+    The functions reachable from `roots` (the traced function, through closure cells, methods, partials
+    and wrappers; the class attributes read through the compile view) are searched first, with the
+    namespaces they live in: that is where the hooks and their helpers are, whether or not a module lists
+    it (cells exec'd into a namespace of their own). Then the user's modules (`_FunctionIndex`)."""
     codes = _traceback_codes(jaxprs)
     if not codes:
         return []
     index, rebuilt = _index.fresh(), []
-    return [index.lookup(code, rebuilt) for code in codes.values()]
+    local: dict = {}
+    scanned = set(index.scanned)
+    stack, seen = list(roots), set()
+    while stack and len(seen) < 256:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        for fn in _underlying(obj):
+            if _is_user_function(fn):
+                _FunctionIndex._add(fn, local, 0)
+                if id(fn.__globals__) not in scanned:
+                    scanned.add(id(fn.__globals__))
+                    _FunctionIndex.add_namespace(fn.__globals__, local)
+            # the program functions nitro_ipy builds hold the hooks in their cells
+            stack.extend(v for v in _cell_contents(fn.__closure__) if callable(v))
+    out = []
+    for code in codes.values():
+        hit = local.get(id(code))
+        found = hit[:3] if hit is not None and hit[0] is code else index.lookup(code, rebuilt)
+        out.append(found or index.fallback(code))
+    return out
 
 
 class _Hooks:
