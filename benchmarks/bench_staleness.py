@@ -315,7 +315,9 @@ def closure_stats() -> dict:
 
 
 def scan_breakdown(reps: int) -> dict:
-    """Where a no-change scan's time goes: `Closure.drift` per kind of check, and `Closure.disk_edits`.
+    """The full checkers' cost per kind of check, and `Closure.disk_edits`. A scan settles most globals in
+    identity loops (`_closure._scan_plan`) and takes these only for the rest, so this is the cost it
+    would pay if every global had been rebound (or, for mutable values, what it pays for them always).
 
     Each kind is timed on its own fresh memo (a check shared by several closures is resolved once, as in a
     scan); "kind" is the checker, and for globals the type of the live value.
@@ -619,7 +621,8 @@ def print_report(res: dict) -> None:
             f"{sc['scan_ms_min']:.2f}, p90 {sc['scan_ms_p90']:.2f}, {sc['scans']} scans); "
             f"drift of {sc['drift_helper']}: {sc['drift_poisoned']} poisoned, "
             f"{sc['drift_scan_ms_median']:.2f} ms incl. jax.clear_caches (build {sc['build_s']:.1f} s)")
-        log("   where a scan's time goes (distinct checks, ms): " + ", ".join(
+        log("   full checkers per kind, the path a scan takes for what its identity loops do not settle "
+            "(distinct checks, ms): " + ", ".join(
             f"{k} {v['checks']} {v['ms']:.2f}" for k, v in sc["breakdown"].items()))
     log(f"3. first call ({r['pairs']} interleaved pairs, hook: {r['hook']}): plain {r['plain_wall_ms']:.0f} "
         f"ms wall / {r['plain_cpu_ms']:.0f} ms CPU, recorded {r['record_wall_ms']:.0f} / "
