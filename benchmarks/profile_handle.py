@@ -14,7 +14,7 @@ stated) so it can be re-measured after a change:
 - `recorder`: trace (lower) time of the grad program with and without the dependency recorder, and the
   cost of reading the same user functions from the jaxpr's source tracebacks instead.
 - `optflags`: XLA compile time and run time of the optimizer program (242 slices in its unravel) under
-  XLA CPU compiler options, without the params ravel, and next to a per-array (tree) optimizer.
+  XLA CPU compiler options, next to a per-array (tree) optimizer.
 - `rebuild`: `n.rebuild()` after an edit, and three ways to copy the carried state.
 """
 
@@ -231,27 +231,16 @@ def probe_optflags(cells):
     params, state = n._params, n._state
     flat = layout.ravel(params)
     tx = optax.adam(1e-3)
-    def no_ravel(p, fg, s, d):
-        """The proposal: optimizers that never read params (adam, sgd, ...) skip the params ravel
-        (a 242-input concatenate) and add the unravelled updates per array."""
-        tx_ = n._optimizer(n._view(d))
-        updates, s = tx_.update(fg, s, None)
-        return jax.tree.map(lambda a, u: a + u, p, layout.unravel(updates)), s
-
     progs, out = {}, {}
-    for prog, f in (("", fn), ("no params ravel, ", no_ravel)):
-        lowered = jax.jit(f, donate_argnums=(0, 2)).lower(params, flat, state, dev)
-        for flags, opts in OPT_FLAGS.items():
-            name = prog + flags
-            if prog and flags not in ("default", "no fusion emitters + O1"):
-                continue
-            t0 = time.perf_counter()
-            try:
-                progs[name] = lowered.compile(compiler_options=opts) if opts else lowered.compile()
-            except Exception as err:  # an option this XLA does not know
-                print(f"   {name:<36} unavailable: {str(err)[:80]}")
-                continue
-            out[name] = {"xla_s": time.perf_counter() - t0}
+    lowered = jax.jit(fn, donate_argnums=(0, 2)).lower(params, flat, state, dev)
+    for name, opts in OPT_FLAGS.items():
+        t0 = time.perf_counter()
+        try:
+            progs[name] = lowered.compile(compiler_options=opts) if opts else lowered.compile()
+        except Exception as err:  # an option this XLA does not know
+            print(f"   {name:<36} unavailable: {str(err)[:80]}")
+            continue
+        out[name] = {"xla_s": time.perf_counter() - t0}
 
     def tree_opt(p, g, s):
         u, s = tx.update(g, s, p)
