@@ -1,6 +1,7 @@
 """The module-level compile cache: keys, entries, hit/miss counters, miss explanations, poisoning."""
 
 import dataclasses
+import re
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -186,14 +187,7 @@ def compile_program(
         traced, closure = jitted.trace(*args), None
     lowered = traced.lower()
     t1 = time.perf_counter()
-    compiled = None
-    if compiler_options:
-        try:
-            compiled = lowered.compile(compiler_options=compiler_options)
-        except Exception:  # an XLA that does not know an option: compile as usual
-            compiled = None
-    if compiled is None:
-        compiled = lowered.compile()
+    compiled = _compile(lowered, dict(compiler_options or {}))
     t2 = time.perf_counter()
     entry = Entry(key, compiled, t1 - t0, t2 - t1, closure, info or {}, why, world=_world.world())
     # A trace that raised (a bug in a hook) stored nothing, so it counts nothing: misses == entries holds.
@@ -201,6 +195,20 @@ def compile_program(
     _state.entries[key] = entry
     _notify(_on_compile, entry)
     return entry
+
+
+def _compile(lowered, options: dict):
+    """XLA-compile with `options`, leaving out each one this XLA does not know (options come and go
+    between releases: jax 0.12 has no `xla_cpu_use_fusion_emitters`, but keeps the optimization level)."""
+    while options:
+        try:
+            return lowered.compile(compiler_options=options)
+        except Exception as err:
+            unknown = re.search(r"No such compile option: '([^']+)'", str(err))
+            if unknown is None or unknown.group(1) not in options:
+                break  # not an unknown option: compile as usual
+            del options[unknown.group(1)]
+    return lowered.compile()
 
 
 _on_compile: list[Callable[[Entry], None]] = []

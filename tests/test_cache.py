@@ -274,3 +274,22 @@ def test_reset_forgets_poisoned_entries():
     assert _cache.poisoned_entries() == []
     _train(Reg())
     assert [e.why for e in _entries("grad")] == [None]
+
+
+class _Spy:
+    """A real `Lowered`, with the compiler options of each `compile` call written down."""
+
+    def __init__(self, lowered):
+        self.lowered, self.calls = lowered, []
+
+    def compile(self, compiler_options=None):
+        self.calls.append(dict(compiler_options or {}))
+        return self.lowered.compile(compiler_options=compiler_options)
+
+
+def test_compile_leaves_out_only_the_options_this_xla_does_not_know():
+    spy = _Spy(jax.jit(lambda x: x * 2.0).lower(jnp.ones(3)))
+    options = {"nitro_no_such_option": True, "xla_backend_optimization_level": 1}
+    compiled = _cache._compile(spy, dict(options))
+    np.testing.assert_allclose(compiled(jnp.ones(3)), 2.0)
+    assert spy.calls == [options, {"xla_backend_optimization_level": 1}]
