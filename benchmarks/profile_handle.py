@@ -11,8 +11,8 @@ stated) so it can be re-measured after a change:
   vs the hand-written loop): the handle's own Python overhead, no dispatch, no compute.
 - `dispatch`: per-step cost of the programs: fused step vs grad + opt, `Compiled.__call__` vs `._call`,
   numpy vs device batches; tiny and 120-layer MLP.
-- `recorder`: trace (lower) time of the grad program with and without the dependency recorder, and the
-  cost of reading the same user functions from the jaxpr's source tracebacks instead.
+- `recorder`: first call (trace + lower, then XLA) of the grad program without recording and under each
+  way of recording this Python offers (3.11: the jaxpr's tracebacks, the default, and sys.setprofile).
 - `optflags`: XLA compile time and run time of the optimizer program (242 slices in its unravel) under
   XLA CPU compiler options, next to a per-array (tree) optimizer.
 - `rebuild`: `n.rebuild()` after an edit, and three ways to copy the carried state.
@@ -166,7 +166,7 @@ def probe_dispatch(cells):
 
 
 def probe_recorder(cells):
-    print("recorder: trace (lower) time of the grad program at 242 arrays, per way of recording")
+    print("recorder: first call (trace+lower, then XLA) of the grad program at 242 arrays, per way of recording")
     from nitro_ipy import _closure
 
     nitro_ipy.cache_reset()
@@ -174,41 +174,48 @@ def probe_recorder(cells):
     batch = {k: v[: DEEP["batch"]] for k, v in data.items()}
     args = (n._params, n._dev, batch)
     modes = ["monitoring", "traceback"] if sys.version_info >= (3, 12) else ["traceback", "profile"]
+    functions = {}
 
-    def build():
-        return _programs.make_gradient(n._view, n._forward, n._loss, ("x",), ("y",), n._layout, 1)
-
-    def plain():
-        t0 = time.perf_counter()
-        jax.jit(build()).trace(*args).lower()
-        return time.perf_counter() - t0
-
-    def recorded(mode):
-        os.environ["NITRO_IPY_RECORDER"] = mode
+    def first_call(mode):
+        """As `compile_program` does: record the trace (or not), lower, compile. -> (trace+lower, XLA) s"""
+        fn = _programs.make_gradient(n._view, n._forward, n._loss, ("x",), ("y",), n._layout, 1)
+        if mode is not None:
+            os.environ["NITRO_IPY_RECORDER"] = mode
         try:
-            fn = build()  # as in the handle: the program function is built before recording starts
             t0 = time.perf_counter()
-            with _closure.record() as rec:  # as `compile_program` does: record the trace, then lower
-                traced = jax.jit(fn).trace(*args)
-                rec.traced(traced.jaxpr)
-            traced.lower()
-            recorded.functions[mode] = sorted(d.qualname for d in rec.closure.functions)
-            return time.perf_counter() - t0
+            if mode is None:
+                lowered = jax.jit(fn).trace(*args).lower()
+            else:
+                with _closure.record() as rec:
+                    traced = jax.jit(fn).trace(*args)
+                    rec.traced(traced.jaxpr, fn)
+                lowered = traced.lower()
+                functions[mode] = sorted(d.qualname for d in rec.closure.functions)
+            t1 = time.perf_counter()
+            lowered.compile()
+            return t1 - t0, time.perf_counter() - t1
         finally:
-            del os.environ["NITRO_IPY_RECORDER"]
+            os.environ.pop("NITRO_IPY_RECORDER", None)
 
-    recorded.functions = {}
-    res = {"plain": [], **{m: [] for m in modes}}
-    for _ in range(5):
-        res["plain"].append(plain())
-        for m in modes:
-            res[m].append(recorded(m))
-    out = {k: {"best_s": min(v), "median_s": statistics.median(v)} for k, v in res.items()}
-    out["default_mode"] = modes[0]
-    out["functions"] = recorded.functions
-    for k in res:
-        print(f"   {k:<28}{out[k]['best_s']:>8.3f} s best {out[k]['median_s']:>8.3f} s median", flush=True)
-    for m, fns in recorded.functions.items():
+    for m in (None, *modes):  # warm-up: JAX's and nitro_ipy's own first-use costs
+        first_call(m)
+    res = {m: [] for m in (None, *modes)}
+    for r in range(7):
+        for m in (None, *modes) if r % 2 == 0 else (*modes, None):  # alternate the order against drift
+            res[m].append(first_call(m))
+    out = {"default_mode": modes[0], "functions": functions}
+    med = lambda rows, j: statistics.median(row[j] for row in rows)  # noqa: E731
+    base_trace, base_total = med(res[None], 0), statistics.median(a + b for a, b in res[None])
+    for m, rows in res.items():
+        total = statistics.median(a + b for a, b in rows)
+        out[m or "plain"] = {"trace_lower_s": med(rows, 0), "xla_s": med(rows, 1), "first_call_s": total,
+                             "trace_added_pct": (med(rows, 0) / base_trace - 1) * 100,
+                             "first_call_added_pct": (total / base_total - 1) * 100}
+        o = out[m or "plain"]
+        print(f"   {m or 'plain':<12} trace+lower {o['trace_lower_s']:.3f} s  XLA {o['xla_s']:.3f} s  "
+              f"first call {o['first_call_s']:.3f} s  ({o['trace_added_pct']:+.0f}% trace, "
+              f"{o['first_call_added_pct']:+.1f}% first call; medians of 7)", flush=True)
+    for m, fns in functions.items():
         print(f"   {m} saw {fns}")
     OUT["recorder"] = out
 
