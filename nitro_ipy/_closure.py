@@ -1204,6 +1204,16 @@ def note_class_attr(cls, name: str, attr) -> None:
 # The traceback mode: the user functions a trace ran, read from its equations' source tracebacks
 
 
+@functools.cache
+def _tracebacks_usable() -> bool:
+    """Whether this jaxlib's tracebacks hand out their code objects (a JAX internal; else: `profile`)."""
+    try:
+        from jax._src.lib import xla_client
+    except Exception:
+        return False
+    return callable(getattr(xla_client.Traceback, "raw_frames", None))
+
+
 def _sub_jaxprs(params: dict) -> list:
     """The jaxprs an equation carries (pjit, scan, cond branches, while, custom_jvp/vjp, remat)."""
     out = []
@@ -1406,7 +1416,7 @@ class _Hooks:
                 return stack[0]._mode  # the thread's hook is installed already
             if wanted == "monitoring" and hasattr(sys, "monitoring") and self._claim_monitoring():
                 return "monitoring"
-        if wanted == "profile":
+        if wanted == "profile" or not _tracebacks_usable():
             return self._install_profile(rec._tid, stack)
         return "traceback"
 

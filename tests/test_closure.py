@@ -149,6 +149,20 @@ def test_recording_under_a_c_profiler(user_module, recorder_mode):
     assert mine(rec.closure.names(), m) == ["SCALE", "jnp", "leaf", "mid", "top"]
 
 
+def test_without_usable_tracebacks_recording_hooks_the_interpreter(user_module, recorder_mode, monkeypatch):
+    """The traceback mode rests on a jaxlib internal (`Traceback.raw_frames`); without it, sys.setprofile."""
+    if recorder_mode != "traceback":
+        pytest.skip("only the traceback mode falls back")
+    from nitro_ipy import _closure
+
+    monkeypatch.setattr(_closure, "_tracebacks_usable", lambda: False)
+    m = user_module(BASE)
+    with record() as rec:
+        rec.traced(jax.jit(lambda x: m.top(x)).trace(X).jaxpr)
+    assert rec._mode == "profile"
+    assert mine(rec.closure.names(), m) == ["SCALE", "jnp", "leaf", "mid", "top"]
+
+
 def test_reload_of_edited_helper_drifts(user_module):
     m = user_module(BASE)
     closure = lower(m.top, X)
