@@ -239,22 +239,25 @@ def _lookup(ns: dict, dotted: str):
 _nested_memo: dict[tuple[int, str], tuple[types.CodeType, tuple]] = {}
 
 
+def _nested(code: types.CodeType):
+    """Every code object nested (at any depth) in `code`'s constants: its functions, lambdas, classes."""
+    stack = [code]
+    while stack:
+        for const in stack.pop().co_consts:
+            if isinstance(const, types.CodeType):
+                yield const
+                stack.append(const)
+
+
 def _nested_codes(code: types.CodeType, qualname: str) -> tuple:
     """Code objects named `qualname` nested (at any depth) in `code`'s constants."""
     key = (id(code), qualname)
     hit = _nested_memo.get(key)
     if hit is not None and hit[0] is code:
         return hit[1]
-    found, stack = [], [code]
-    while stack:
-        c = stack.pop()
-        for const in c.co_consts:
-            if isinstance(const, types.CodeType):
-                if const.co_qualname == qualname:
-                    found.append(const)
-                stack.append(const)
-    _nested_memo[key] = (code, tuple(found))
-    return tuple(found)
+    found = tuple(c for c in _nested(code) if c.co_qualname == qualname)
+    _nested_memo[key] = (code, found)
+    return found
 
 
 def _resolve_function(ns: dict, qualname: str) -> frozenset | None:
@@ -366,9 +369,8 @@ def _reads(code: types.CodeType) -> _Reads:
     hit = _reads_memo.get(id(code))
     if hit is not None and hit[0] is code:
         return hit[1]
-    names, attrs, stack = {}, {}, [code]
-    while stack:
-        c = stack.pop()
+    names, attrs = {}, {}
+    for c in (code, *_nested(code)):
         previous = None
         for ins in dis.get_instructions(c):
             if ins.opname in _GLOBAL_LOADS:
@@ -378,7 +380,6 @@ def _reads(code: types.CodeType) -> _Reads:
             if previous is not None and ins.opname in _ATTR_LOADS:
                 attrs[(previous, ins.argval)] = None
             previous = None
-        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
     reads = _Reads(tuple(names), tuple(attrs))
     _reads_memo[id(code)] = (code, reads)
     return reads
@@ -465,13 +466,8 @@ def _compile_version(filename: str, data: bytes | None) -> dict[str, frozenset] 
     except (SyntaxError, ValueError):
         return None
     table: dict[str, set] = {}
-    stack = [module_code]
-    while stack:
-        code = stack.pop()
-        for const in code.co_consts:
-            if isinstance(const, types.CodeType):
-                table.setdefault(const.co_qualname, set()).add(code_fingerprint(const))
-                stack.append(const)
+    for code in _nested(module_code):
+        table.setdefault(code.co_qualname, set()).add(code_fingerprint(code))
     return {q: frozenset(fps) for q, fps in table.items()}
 
 
@@ -866,11 +862,12 @@ class Closure:
         if plan is None:
             plan = self._plan = _scan_plan(self._checks)
         groups, rest = plan
-        out = None
+        unsettled = []
         # Globals still bound to the very objects recorded, per namespace (looked up once), in tight
         # loops: no memo, no call but a weak reference's. This is `_matches` inlined for the two
-        # commonest snapshots; a global that fails it takes the memoized checker, which resolves it in
-        # full (an identity test is as cheap as a memo lookup, so sharing those answers would not pay).
+        # commonest snapshots; a global that fails it joins `rest` for the memoized checker, which
+        # resolves it in full (an identity test is as cheap as a memo lookup, so sharing those answers
+        # would not pay).
         for nskey, module, recorded, same, functions in groups:
             ns = memo.get(nskey)
             if ns is None:
@@ -882,9 +879,7 @@ class Closure:
                 value = get(name, _MISSING)
                 if value is held or (type(held) is _Ref and value is not None and held() is value):
                     continue
-                if not _memoized(check, memo):
-                    out = out or set()
-                    out.add(check[3])
+                unsettled.append(check)
             for name, fn_ref, code_ref, qualname, check in functions:
                 # A function without defaults or cells: the same object with the same code and name
                 # (`%autoreload 2` swaps `__code__` in place). `__closure__` is read-only, and a swapped
@@ -899,10 +894,9 @@ class Closure:
                     and fn.__qualname__ == qualname
                 ):
                     continue
-                if not _memoized(check, memo):
-                    out = out or set()
-                    out.add(check[3])
-        for check in rest:
+                unsettled.append(check)
+        out = None
+        for check in (*unsettled, *rest):
             if not _memoized(check, memo):
                 out = out or set()
                 out.add(check[3])
@@ -1050,8 +1044,7 @@ class _Builder:
             return  # a class's methods are dependencies when called; its fingerprint covers the rest
         for fn in _underlying(value):
             if _is_user_function(fn):
-                cells = zip(fn.__code__.co_freevars, _cell_contents(fn.__closure__), strict=True)
-                self.function(fn.__code__, fn.__globals__, [(k, v) for k, v in cells if v is not _MISSING])
+                self.function(fn.__code__, fn.__globals__, _cells_of(fn))
 
     def build(self) -> Closure:
         functions, values, untracked, anonymous, checks, files = [], [], set(), set(), [], []
@@ -1102,6 +1095,12 @@ def _cell_contents(closure) -> list:
         except ValueError:  # an empty cell
             out.append(_MISSING)
     return out
+
+
+def _cells_of(fn: types.FunctionType) -> list[tuple[str, object]]:
+    """`(free variable, value)` of each filled closure cell of `fn`."""
+    cells = zip(fn.__code__.co_freevars, _cell_contents(fn.__closure__), strict=True)
+    return [(k, v) for k, v in cells if v is not _MISSING]
 
 
 def _class_namespace(cls: type) -> dict | None:
@@ -1270,6 +1269,7 @@ class _FunctionIndex:
         self.owners: dict[int, tuple] = {}  # id(code) -> (code, globals, cells or None, is a function)
         self.files: dict[str, dict] = {}  # module file -> its globals
         self.scanned: set[int] = set()  # ids of the namespaces indexed
+        self.main: dict = {}  # the notebook's namespace (`__main__`), where a cell's code runs
 
     def lookup(self, code: types.CodeType, rebuilt: list) -> tuple | None:
         hit = self.owners.get(id(code))
@@ -1285,7 +1285,7 @@ class _FunctionIndex:
         resolves to nothing, so it is anonymous, covered through whatever holds it."""
         ns = self.files.get(code.co_filename)
         if ns is None:
-            ns = self._namespaces()[0][1] if _is_cell_file(code.co_filename) else {"__name__": "?"}
+            ns = self.main if _is_cell_file(code.co_filename) else {"__name__": "?"}
         return code, ns, None
 
     def fresh(self) -> _FunctionIndex:
@@ -1297,6 +1297,7 @@ class _FunctionIndex:
 
     @staticmethod
     def _namespaces() -> list[tuple[str, dict]]:
+        """(module name, globals) of each user namespace; the notebook's (`__main__`) first."""
         out = []
         shell = sys.modules.get("IPython")
         get_ipython = getattr(shell, "get_ipython", None)
@@ -1316,13 +1317,14 @@ class _FunctionIndex:
 
         self.world = world()
         owners, files, scanned = {}, {}, set()
-        for _name, ns in self._namespaces():
+        namespaces = self._namespaces()
+        for _name, ns in namespaces:
             filename = ns.get("__file__")
             if isinstance(filename, str):
                 files.setdefault(filename, ns)
             self.add_namespace(ns, owners)
             scanned.add(id(ns))
-        self.owners, self.files, self.scanned = owners, files, scanned
+        self.owners, self.files, self.scanned, self.main = owners, files, scanned, namespaces[0][1]
 
     @classmethod
     def add_namespace(cls, ns: dict, owners: dict) -> None:
@@ -1341,20 +1343,14 @@ class _FunctionIndex:
         for fn in _underlying(value):
             if not _is_user_function(fn):
                 continue
-            code = fn.__code__
-            cells = [(k, v) for k, v in zip(code.co_freevars, _cell_contents(fn.__closure__), strict=True)
-                     if v is not _MISSING]
+            code, cells = fn.__code__, _cells_of(fn)
             hit = owners.get(id(code))
             if hit is None or not hit[3]:  # a function object beats a code nested in another function
                 owners[id(code)] = (code, fn.__globals__, cells, True)
             elif hit[2] and any(a is not b for (_, a), (_, b) in zip(hit[2], cells)):
                 owners[id(code)] = (code, hit[1], None, True)  # closures sharing this code: which ran?
-            stack = [code]
-            while stack:
-                for const in stack.pop().co_consts:
-                    if isinstance(const, types.CodeType):
-                        owners.setdefault(id(const), (const, fn.__globals__, None, False))
-                        stack.append(const)
+            for nested in _nested(code):
+                owners.setdefault(id(nested), (nested, fn.__globals__, None, False))
 
 
 _index = _FunctionIndex()
