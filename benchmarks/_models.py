@@ -129,7 +129,7 @@ class Cells:
     def run(self, src: str) -> dict:
         self.count += 1
         # an IPython cell filename: user code to the dependency recorder (`<string>` would count as library)
-        code = compile(src, f"<ipython-input-{self.count}-nitrobench>", "exec")
+        code = compile(src, f"<ipython-input-{self.count}-{self.module.__name__}>", "exec")
         exec(code, self.module.__dict__)
         return self.module.__dict__
 

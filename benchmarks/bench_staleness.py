@@ -53,6 +53,9 @@ import nitro_ipy
 from nitro_ipy import _cache, _closure, _report, _world
 from nitro_ipy import Nitro
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _models import Cells  # noqa: E402  (a module standing in for a notebook's namespace)
+
 TARGETS = {"fresh_ns": 1000.0, "scan_ms": 5.0, "record_pct": 10.0}
 
 FULL = dict(fresh_rounds=5, fresh_calls=1_000_000, enter_calls=200_000, scan_reps=300, drift_reps=7,
@@ -91,21 +94,6 @@ class Messages:
 
     def kinds(self) -> list:
         return [m.kind for m in self.items]
-
-
-class Cells:
-    """A module registered in `sys.modules` whose code comes from "cells" (IPython cell filenames)."""
-
-    def __init__(self, name: str):
-        self.module = types.ModuleType(name)
-        sys.modules[name] = self.module
-        self.count = 0
-
-    def run(self, src: str) -> dict:
-        self.count += 1
-        code = compile(src, f"<ipython-input-{self.count}-{self.module.__name__}>", "exec")
-        exec(code, self.module.__dict__)
-        return self.module.__dict__
 
 
 def write_module(directory: str, name: str, src: str):
