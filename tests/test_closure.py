@@ -61,12 +61,18 @@ def rewrite(mod, source: str, reload: bool = True):
     return importlib.reload(mod) if reload else mod
 
 
-def lower(fn, *args):
-    """Record the closure of tracing+lowering `fn` (a fresh jit wrapper: JAX caches traces by identity)."""
+def recorded(fn, *args):
+    """The recorder of tracing `fn` as `compile_program` does (a fresh jit wrapper: JAX caches traces by
+    identity)."""
     wrapper = lambda *a: fn(*a)  # noqa: E731
     with record() as rec:
         rec.traced(jax.jit(wrapper).trace(*args).jaxpr, wrapper)
-    return rec.closure
+    return rec
+
+
+def lower(fn, *args):
+    """The closure `fn`'s trace records."""
+    return recorded(fn, *args).closure
 
 
 def mine(names, mod):
@@ -141,8 +147,7 @@ def test_recording_under_a_c_profiler(user_module, recorder_mode):
     profiler = cProfile.Profile()
     profiler.enable()
     try:
-        with record() as rec:
-            rec.traced(jax.jit(lambda x: m.top(x)).trace(X).jaxpr)
+        rec = recorded(m.top, X)
     finally:
         profiler.disable()
     assert rec._mode == ("traceback" if recorder_mode == "profile" else recorder_mode)
@@ -157,8 +162,7 @@ def test_without_usable_tracebacks_recording_hooks_the_interpreter(user_module, 
 
     monkeypatch.setattr(_closure, "_tracebacks_usable", lambda: False)
     m = user_module(BASE)
-    with record() as rec:
-        rec.traced(jax.jit(lambda x: m.top(x)).trace(X).jaxpr)
+    rec = recorded(m.top, X)
     assert rec._mode == "profile"
     assert mine(rec.closure.names(), m) == ["SCALE", "jnp", "leaf", "mid", "top"]
 
