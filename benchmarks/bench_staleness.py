@@ -43,7 +43,6 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 
 import jax
 import jax.numpy as jnp

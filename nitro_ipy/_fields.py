@@ -215,13 +215,6 @@ def graphconst_field_hash(e) -> str:
     )
 
 
-def graphconst_field_fingerprints(e) -> dict[str, str]:
-    """`{field: fingerprint}` for each GraphConst field (used to say which field moved on a miss)."""
-    from ._fingerprint import fingerprint
-
-    return {n: fingerprint(getattr(e, n), n) for n in graphconst_fields(e)}
-
-
 _HASHABLE_FIX = (
     "GraphConst values are part of the compile key and must be fingerprinted by content. Make it a "
     "frozen dataclass (`@dataclasses.dataclass(frozen=True)`), split it into flat GraphConst fields, "
