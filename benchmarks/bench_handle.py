@@ -48,7 +48,7 @@ TARGETS = {"tiny_epoch": 1.10, "deep_epoch": 0.75, "edit_cycle": 0.50}
 # sides of a pair, and the median of the paired ratios shrugs it off.
 FULL = dict(
     tiny=dict(in_dim=8, width=32, depth=1, batch=32, steps=400, rounds=41),
-    deep=dict(in_dim=16, width=32, depth=120, batch=64, steps=48, rounds=15, cycles=3, helper_cycles=2,
+    deep=dict(in_dim=16, width=32, depth=120, batch=64, steps=48, rounds=15, cycles=7, helper_cycles=2,
               valid=256, donated_rounds=7),
 )
 QUICK = dict(
