@@ -1,6 +1,7 @@
 """The module-level compile cache: keys, entries, hit/miss counters, miss explanations, poisoning."""
 
 import dataclasses
+import math
 import re
 import time
 from typing import Any, Callable, NamedTuple
@@ -9,6 +10,7 @@ import jax
 import numpy as np
 
 from . import _world
+from ._closure import sub_jaxprs
 
 
 class CacheStats(NamedTuple):
@@ -86,6 +88,7 @@ class Entry:
     poisoned: bool = False
     drifted: tuple = ()  # names of the functions/values whose drift poisoned it
     world: int = 0
+    compiler_options: dict = dataclasses.field(default_factory=dict)  # the XLA options it was compiled with
 
     @property
     def kind(self) -> str:
@@ -187,9 +190,10 @@ def compile_program(
         traced, closure = jitted.trace(*args), None
     lowered = traced.lower()
     t1 = time.perf_counter()
-    compiled = _compile(lowered, dict(compiler_options or {}))
+    compiled, used = _compile(lowered, program_options(traced.jaxpr, compiler_options))
     t2 = time.perf_counter()
-    entry = Entry(key, compiled, t1 - t0, t2 - t1, closure, info or {}, why, world=_world.world())
+    entry = Entry(key, compiled, t1 - t0, t2 - t1, closure, info or {}, why, world=_world.world(),
+                  compiler_options=used)
     # A trace that raised (a bug in a hook) stored nothing, so it counts nothing: misses == entries holds.
     _state.misses += 1
     _state.entries[key] = entry
@@ -197,18 +201,62 @@ def compile_program(
     return entry
 
 
+# XLA:CPU hands matrix multiplies to YNNPACK, which builds a runtime for each multiply the first time a new
+# program runs: about 1 ms apiece here, 0.2 s on the first step of the 120-layer MLP's gradient program,
+# paid again after every edit. For a multiply with at most one dimension above `NARROW_DOT` (every layer
+# of a narrow MLP, at any batch size) XLA's own kernels run as fast (benchmarks/profile_handle.py `dots`),
+# so a program whose multiplies are all that narrow is compiled without YNNPACK. Wider multiplies keep it:
+# for a [8, 256] x [256, 256] it runs 1.6x faster.
+NARROW_DOT = 64
+_WITHOUT_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def program_options(jaxpr, options: dict | None = None) -> dict:
+    """The compiler options for a program traced to `jaxpr`: `options`, plus XLA's own kernels for matrix
+    multiplies where every one is narrow (see `NARROW_DOT`). Options given explicitly win."""
+    out = dict(options or {})
+    if jax.default_backend() == "cpu" and _all_dots_narrow(jaxpr):
+        out = {**_WITHOUT_YNN, **out}
+    return out
+
+
+def _all_dots_narrow(jaxpr) -> bool:
+    """True when `jaxpr` (sub-jaxprs included) multiplies matrices, and every multiply has at most one of
+    its rows, columns and contracted size above `NARROW_DOT`."""
+    stack, seen, dots = [getattr(jaxpr, "jaxpr", jaxpr)], set(), 0
+    while stack:
+        j = stack.pop()
+        if id(j) in seen:
+            continue
+        seen.add(id(j))
+        for eqn in j.eqns:
+            if eqn.primitive.name == "dot_general":
+                dots += 1
+                (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+                lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+                rows = math.prod(d for i, d in enumerate(lhs) if i not in lc and i not in lb)
+                cols = math.prod(d for i, d in enumerate(rhs) if i not in rc and i not in rb)
+                inner = math.prod(lhs[i] for i in lc)
+                if sorted((rows, cols, inner))[1] > NARROW_DOT:
+                    return False
+            elif eqn.params:
+                stack.extend(sub_jaxprs(eqn.params))
+    return dots > 0
+
+
 def _compile(lowered, options: dict):
     """XLA-compile with `options`, leaving out each one this XLA does not know (options come and go
-    between releases: jax 0.12 has no `xla_cpu_use_fusion_emitters`, but keeps the optimization level)."""
+    between releases: jax 0.12 has no `xla_cpu_use_fusion_emitters`, but keeps the optimization level).
+    Returns the executable and the options it was compiled with."""
     while options:
         try:
-            return lowered.compile(compiler_options=options)
+            return lowered.compile(compiler_options=options), options
         except Exception as err:
             unknown = re.search(r"No such compile option: '([^']+)'", str(err))
             if unknown is None or unknown.group(1) not in options:
                 break  # not an unknown option: compile as usual
             del options[unknown.group(1)]
-    return lowered.compile()
+    return lowered.compile(), {}
 
 
 _on_compile: list[Callable[[Entry], None]] = []

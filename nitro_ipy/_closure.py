@@ -1213,7 +1213,7 @@ def _tracebacks_usable() -> bool:
     return callable(getattr(xla_client.Traceback, "raw_frames", None))
 
 
-def _sub_jaxprs(params: dict) -> list:
+def sub_jaxprs(params: dict) -> list:
     """The jaxprs an equation carries (pjit, scan, cond branches, while, custom_jvp/vjp, remat)."""
     out = []
     for value in params.values():
@@ -1253,7 +1253,7 @@ def _traceback_codes(jaxprs: list) -> dict[int, types.CodeType]:
                     if verdict:
                         codes[id(code)] = code
             if eqn.params:
-                stack.extend(_sub_jaxprs(eqn.params))
+                stack.extend(sub_jaxprs(eqn.params))
     return codes
 
 

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import nitro_ipy
 from nitro_ipy import CacheStats, Device, GraphConst, Host, Nitro
@@ -290,6 +291,55 @@ class _Spy:
 def test_compile_leaves_out_only_the_options_this_xla_does_not_know():
     spy = _Spy(jax.jit(lambda x: x * 2.0).lower(jnp.ones(3)))
     options = {"nitro_no_such_option": True, "xla_backend_optimization_level": 1}
-    compiled = _cache._compile(spy, dict(options))
+    compiled, used = _cache._compile(spy, dict(options))
     np.testing.assert_allclose(compiled(jnp.ones(3)), 2.0)
     assert spy.calls == [options, {"xla_backend_optimization_level": 1}]
+    assert used == {"xla_backend_optimization_level": 1}
+
+
+# ---------------------------------------------------------------- compiler options per program
+
+NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def _jaxpr(fn, *shapes):
+    return jax.make_jaxpr(fn)(*(jnp.ones(s, jnp.float32) for s in shapes))
+
+
+def test_a_program_whose_multiplies_are_all_narrow_compiles_without_ynnpack():
+    # a wide batch is fine: each multiply has at most one dimension above NARROW_DOT (64)
+    narrow = _jaxpr(lambda x, w: jnp.tanh(x @ w) @ w.T, (512, 64), (64, 64))
+    assert _cache.program_options(narrow) == NO_YNN
+    assert _cache.program_options(narrow, {"xla_backend_optimization_level": 1}) == {
+        **NO_YNN, "xla_backend_optimization_level": 1}
+    mine = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+    assert _cache.program_options(narrow, mine) == mine  # options given explicitly win
+
+
+def test_one_wide_multiply_anywhere_keeps_ynnpack():
+    wide = lambda x, w: x @ w  # [8, 128] x [128, 128]: rows 8, columns 128, contracted 128
+    assert _cache.program_options(_jaxpr(wide, (8, 128), (128, 128))) == {}
+    assert _cache.program_options(_jaxpr(wide, (8, 128), (128, 64))) == NO_YNN  # only 128 is above 64
+
+    def nested(w):  # the wide multiply sits in a jit inside a scan inside a grad
+        body = lambda c, _: (c + jax.jit(wide)(jnp.ones((8, 128)), w).sum(), None)
+        return jax.lax.scan(body, 0.0, None, length=2)[0]
+
+    assert _cache.program_options(_jaxpr(jax.grad(nested), (128, 128))) == {}
+    assert _cache.program_options(_jaxpr(jax.grad(nested), (128, 32))) == NO_YNN
+    assert _cache.program_options(_jaxpr(lambda x: jnp.tanh(x) * 2.0, (256, 256))) == {}  # no multiply
+
+
+def test_handle_programs_record_the_options_they_were_compiled_with():
+    n = _train(Reg())
+    grad, opt = _entries("grad")[0], _entries("opt")[0]
+    assert grad.compiler_options == NO_YNN
+    assert opt.compiler_options.get("xla_backend_optimization_level") == 1
+    assert "xla_cpu_experimental_ynn_fusion_type" not in opt.compiler_options  # no multiply in it
+    # the option takes effect: this XLA uses YNNPACK for the same program compiled by default, ours does not
+    fn = jax.jit(lambda p, x: Reg().forward(p, x=x))
+    default = fn.lower(n.params, DATA["train"]["x"]).compile().as_text()
+    ours = fn.lower(n.params, DATA["train"]["x"]).compile(compiler_options=grad.compiler_options).as_text()
+    assert "ynn" not in ours
+    if "ynn" not in default:
+        pytest.skip(f"jax {jax.__version__}: XLA does not use YNNPACK for multiplies here")
