@@ -142,10 +142,13 @@ class Cells:
     def redefine_helper(self, helper_expr: str):
         self.run(HELPER_CELL.format(helper_expr=helper_expr))
 
-    def define_baseline(self, loss_expr: str = BASE_LOSS, donate: bool = False):
+    def define_baseline(self, loss_expr: str = BASE_LOSS, donate: bool = False, compiler_options=None):
         """Run the user's training cell: returns the (new) jitted fused `step` and its optimizer.
-        `donate=True` is the careful user's `jax.jit(step, donate_argnums=(0, 1))` (params, opt state)."""
-        decorator = "@functools.partial(jax.jit, donate_argnums=(0, 1))" if donate else "@jax.jit"
+        `donate=True` is the careful user's `jax.jit(step, donate_argnums=(0, 1))` (params, opt state);
+        `compiler_options` go to `jax.jit` as they are."""
+        kw = (["donate_argnums=(0, 1)"] if donate else []) + (
+            [f"compiler_options={compiler_options!r}"] if compiler_options else [])
+        decorator = f"@functools.partial(jax.jit, {', '.join(kw)})" if kw else "@jax.jit"
         ns = self.run(BASELINE_CELL.format(loss_expr=loss_expr, decorator=decorator))
         return ns["step"], ns["opt"]
 

@@ -49,12 +49,12 @@ TARGETS = {"tiny_epoch": 1.10, "deep_epoch": 0.75, "edit_cycle": 0.50}
 FULL = dict(
     tiny=dict(in_dim=8, width=32, depth=1, batch=32, steps=400, rounds=41),
     deep=dict(in_dim=16, width=32, depth=120, batch=64, steps=48, rounds=15, cycles=7, helper_cycles=2,
-              valid=256, donated_rounds=7),
+              valid=256, variant_rounds=7),
 )
 QUICK = dict(
     tiny=dict(in_dim=8, width=32, depth=1, batch=32, steps=200, rounds=9),
     deep=dict(in_dim=16, width=32, depth=120, batch=64, steps=16, rounds=5, cycles=1, helper_cycles=0,
-              valid=128, donated_rounds=0),
+              valid=128, variant_rounds=0),
 )
 
 
@@ -149,15 +149,17 @@ def log(msg=""):
 
 
 # ---------------------------------------------------------------------------------------------- sections
-def donated_baseline(cells, cfg, n, data) -> dict:
-    """Not a target: nitro against the careful user's fused step with `donate_argnums=(0, 1)`. Nitro's
-    optimizer program donates params and state; this row shows how much of its lead is donation."""
-    step, opt = cells.define_baseline(donate=True)
+def baseline_variant(cells, cfg, n, data, *, donate=False, compiler_options=None) -> dict:
+    """Not a target: nitro against a more careful user's fused step, to show where nitro's lead comes
+    from. `donate=True`: `jax.jit(step, donate_argnums=(0, 1))` (nitro's optimizer program donates params
+    and state). `compiler_options`: `jax.jit(step, compiler_options=...)` (nitro's narrow programs compile
+    without YNNPACK, see `_cache.NARROW_DOT`)."""
+    step, opt = cells.define_baseline(donate=donate, compiler_options=compiler_options)
     b = M.Baseline(step, opt, M.init_mlp(jax.random.PRNGKey(0), cfg["in_dim"], cfg["width"], cfg["depth"]),
                    data, cfg["batch"])
     baseline_epoch(b)
     baseline_epoch(b)
-    tn, tb = interleaved(cfg["donated_rounds"], lambda: nitro_epoch(n), lambda: baseline_epoch(b))
+    tn, tb = interleaved(cfg["variant_rounds"], lambda: nitro_epoch(n), lambda: baseline_epoch(b))
     sn, sb = summary(tn, b.steps), summary(tb, b.steps)
     return {"baseline": sb, "nitro": sn, "ratio": statistics.median(x[0] / y[0] for x, y in zip(tn, tb))}
 
@@ -309,11 +311,13 @@ def report(res):
         log(f"   {desc:<33}{r['baseline']['us_per_step_median']:>8.1f} us{r['nitro']['us_per_step_median']:>8.1f} us"
             f"{r['ratio']:>6.2f}x{'<=' + format(tgt, '.2f'):>8}  {rng:<10}{r['ratio_of_medians']:>7.2f}x"
             f"{r['ratio_of_mins']:>7.2f}x  {verdict(r['ratio'], tgt)}")
-    if "vs_donated_baseline" in d:
-        x = d["vs_donated_baseline"]
-        log(f"   (information) 120-layer MLP vs a fused step with donate_argnums=(0, 1): baseline "
-            f"{x['baseline']['us_per_step_median']:.1f} us, nitro {x['nitro']['us_per_step_median']:.1f} us, "
-            f"ratio {x['ratio']:.2f}x")
+    for k, what in (("vs_donated_baseline", "with donate_argnums=(0, 1)"),
+                    ("vs_baseline_without_ynn", "compiled without YNNPACK, as nitro compiles narrow programs")):
+        if k in d:
+            x = d[k]
+            log(f"   (information) 120-layer MLP vs a fused step {what}: baseline "
+                f"{x['baseline']['us_per_step_median']:.1f} us, nitro {x['nitro']['us_per_step_median']:.1f} us, "
+                f"ratio {x['ratio']:.2f}x")
     log()
     log("2. live-edit cycle, 120-layer MLP: edit the loss, then first epoch incl. compile (seconds)")
     log(f"   {'edit':<7}{'baseline':>9}{'trace':>7}{'XLA':>7} |{'nitro':>7}{'rebuild':>8}{'trace':>7}{'XLA':>7}"
@@ -376,9 +380,13 @@ def main(argv=None):
     nitro_ipy.cache_reset()
     log("120-layer MLP: steady state ...")
     res["deep"] = deep = steady_state(cells, "DeepMLP", cfg["deep"])
-    if cfg["deep"]["donated_rounds"]:
+    if cfg["deep"]["variant_rounds"]:
         log("120-layer MLP: steady state against a donating baseline (information) ...")
-        deep["vs_donated_baseline"] = donated_baseline(cells, cfg["deep"], deep["_handle"], deep["_data"])
+        deep["vs_donated_baseline"] = baseline_variant(cells, cfg["deep"], deep["_handle"], deep["_data"],
+                                                       donate=True)
+        log("120-layer MLP: steady state against a baseline compiled without YNNPACK (information) ...")
+        deep["vs_baseline_without_ynn"] = baseline_variant(cells, cfg["deep"], deep["_handle"], deep["_data"],
+                                                           compiler_options=_cache._WITHOUT_YNN)
     log("120-layer MLP: compile report ...")
     res["compile"] = compile_report(cfg["deep"], deep)
     log("120-layer MLP: live-edit cycles ...")

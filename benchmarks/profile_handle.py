@@ -4,7 +4,7 @@ Each probe isolates one cost with a micro-benchmark (best-of-N and median, on th
 stated) so it can be re-measured after a change:
 
     python3 benchmarks/profile_handle.py            # every probe (~4 min on 2 cores)
-    python3 benchmarks/profile_handle.py loop dispatch recorder optflags rebuild
+    python3 benchmarks/profile_handle.py loop dispatch recorder optflags rebuild dots
     python3 benchmarks/profile_handle.py --json out.json
 
 - `loop`: host-side cost per step of the step loop itself, programs stubbed out (nitro's `_train_epoch`
@@ -16,6 +16,9 @@ stated) so it can be re-measured after a change:
 - `optflags`: XLA compile time and run time of the optimizer program (242 slices in its unravel) under
   XLA CPU compiler options, next to a per-array (tree) optimizer.
 - `rebuild`: `n.rebuild()` after an edit, and three ways to copy the carried state.
+- `dots`: first call and run time of MLP gradient programs over a grid of widths and batch sizes, with
+  XLA:CPU's YNNPACK multiplies (the default) and without (XLA's own kernels): the data behind
+  `_cache.NARROW_DOT`.
 """
 
 import argparse
@@ -133,9 +136,11 @@ def probe_dispatch(cells):
             return f
 
         fg0 = G(nst[0], dev, xd)[0]
+        last = [fg0]
 
-        def grad_only():
-            G(nst[0], dev, xd)
+        def grad_only():  # waits for its output: the timed loop's sync only covers params and state
+            last[0] = G(nst[0], dev, xd)[0]
+            jax.block_until_ready(last[0])
 
         def opt_only():
             nst[0], nst[1] = O(nst[0], fg0, nst[1], dev)
@@ -317,8 +322,46 @@ def probe_rebuild(cells):
     OUT["rebuild"] = out
 
 
+def probe_dots(cells):
+    """Behind `_cache.NARROW_DOT`: for MLP gradient programs (8 layers) over a grid of widths and batch
+    sizes, the first call of a new program (YNNPACK builds its runtime per multiply there) and the run time
+    after it, with YNNPACK (XLA's default) and without (XLA's own kernels)."""
+    print("dots: gradient program of an 8-layer MLP, multiplies by YNNPACK (default) vs XLA's own kernels")
+    print(f"   {'width':>5}{'batch':>6} | {'first call: ynn':>16}{'own':>8} | {'run: ynn':>10}{'own':>10}{'own/ynn':>9}")
+    out = []
+    for width in (16, 32, 64, 128, 256):
+        for batch in (8, 64, 256):
+            params = M.init_mlp(jax.random.PRNGKey(0), width, width, 8)
+            x = jnp.ones((batch, width), jnp.float32)
+            y = jnp.zeros((batch,), jnp.float32)
+            grad = jax.value_and_grad(lambda p, x, y: jnp.mean((M.mlp_forward(p, x) - y) ** 2))
+            row, progs = {"width": width, "batch": batch}, {}
+            for name, opts in (("ynn", {}), ("own", _cache._WITHOUT_YNN)):
+                c = jax.jit(grad).lower(params, x, y).compile(compiler_options=opts)
+                t0 = time.perf_counter()
+                jax.block_until_ready(c(params, x, y))
+                row[f"first_ms_{name}"] = (time.perf_counter() - t0) * 1e3
+                progs[name] = c
+            for name, c in progs.items():  # interleaved rounds, median of each side
+                row[f"run_us_{name}"] = []
+            for _ in range(7):
+                for name, c in progs.items():
+                    t0 = time.perf_counter()
+                    for _ in range(20):
+                        res = c(params, x, y)
+                    jax.block_until_ready(res)
+                    row[f"run_us_{name}"].append((time.perf_counter() - t0) / 20 * 1e6)
+            for name in progs:
+                row[f"run_us_{name}"] = statistics.median(row[f"run_us_{name}"])
+            row["own_over_ynn"] = row["run_us_own"] / row["run_us_ynn"]
+            out.append(row)
+            print(f"   {width:>5}{batch:>6} | {row['first_ms_ynn']:>13.1f} ms{row['first_ms_own']:>5.1f} ms |"
+                  f"{row['run_us_ynn']:>7.0f} us{row['run_us_own']:>7.0f} us{row['own_over_ynn']:>8.2f}x", flush=True)
+    OUT["dots"] = out
+
+
 PROBES = {"loop": probe_loop, "dispatch": probe_dispatch, "recorder": probe_recorder,
-          "optflags": probe_optflags, "rebuild": probe_rebuild}
+          "optflags": probe_optflags, "rebuild": probe_rebuild, "dots": probe_dots}
 
 
 def main(argv=None):
