@@ -16,7 +16,7 @@ Targets (lower ratio = nitro faster):
 4. per-step Python overhead of the handle, in microseconds (epoch time / steps, minus the baseline's)
 
 Usage:
-    python3 benchmarks/bench_handle.py            # full run (~1.5-2 min on 2 cores)
+    python3 benchmarks/bench_handle.py            # full run (~2 min on 2 cores)
     python3 benchmarks/bench_handle.py --quick    # CI smoke run (< 60 s)
     python3 benchmarks/bench_handle.py --json out.json   # also write the results as JSON (`-`: stdout)
 """
