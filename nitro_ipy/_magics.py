@@ -151,6 +151,10 @@ def make_magics_class():
         except UsageError as err:
             raise UsageError(_BAD_OPTION.format(magic=name, problem=err, valid=", ".join(valid))) from None
 
+    def no_arguments(line: str, name: str):
+        if line.strip():
+            raise UsageError(_BAD_OPTION.format(magic=name, problem=f"unexpected `{line.strip()}`", valid="none"))
+
     @magics_class
     class NitroMagics(Magics):
         """nitro_ipy's magics: thin wrappers over `stats_table()`, `cache_reset()` and the live panel."""
@@ -171,17 +175,13 @@ def make_magics_class():
         @line_magic
         def nitro_reset(self, line=""):
             """Empty the compile cache and zero its counters (`nitro_ipy.cache_reset()`)."""
-            if line.strip():
-                raise UsageError(_BAD_OPTION.format(magic="nitro_reset", problem=f"unexpected `{line.strip()}`",
-                                                    valid="none"))
+            no_arguments(line, "nitro_reset")
             return _reset()
 
         @line_magic
         def nitro_panel(self, line=""):
             """Show the live panel: hits, misses, entries and the latest compile, updating while training."""
-            if line.strip():
-                raise UsageError(_BAD_OPTION.format(magic="nitro_panel", problem=f"unexpected `{line.strip()}`",
-                                                    valid="none"))
+            no_arguments(line, "nitro_panel")
             from . import _extension
 
             _extension.show_panel(self.shell)
