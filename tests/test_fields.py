@@ -2,18 +2,13 @@
 
 import dataclasses
 import functools
-import importlib
-import json
-import os
-import subprocess
-import sys
-import textwrap
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _modules import import_source, json_in_child
 
 import nitro_ipy
 from nitro_ipy import (
@@ -117,16 +112,8 @@ def test_marker_around_a_generic_type():
     assert graphconst_fields(Generic) == ("widths", "maybe")
 
 
-def _import_temp_module(tmp_path, monkeypatch, name, source):
-    (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, name, raising=False)
-    module = importlib.import_module(name)
-    return module
-
-
 def test_string_annotations_from_future_import(tmp_path, monkeypatch):
-    mod = _import_temp_module(
+    mod = import_source(
         tmp_path,
         monkeypatch,
         "nitro_future_fields",
@@ -156,7 +143,7 @@ def test_string_annotations_from_future_import(tmp_path, monkeypatch):
 
 def test_string_annotations_with_an_unresolvable_name(tmp_path, monkeypatch):
     # get_type_hints fails on `Undefined`; the markers are still read from the annotation strings.
-    mod = _import_temp_module(
+    mod = import_source(
         tmp_path,
         monkeypatch,
         "nitro_future_unresolved",
@@ -347,11 +334,6 @@ def test_graphconst_hash_with_no_graphconst_fields():
     assert isinstance(graphconst_field_hash(Empty()), str) and len(graphconst_field_hash(Empty())) == 32
 
 
-def _pythonpath(first) -> str:
-    """`first`, then this process's own path: the child must import the same nitro_ipy as we do."""
-    return os.pathsep.join([str(first), *(p for p in sys.path if p)])
-
-
 _EXPERIMENT_MODULE = """
 import dataclasses
 from nitro_ipy import Device, GraphConst
@@ -372,7 +354,7 @@ class Exp:
 
 
 def test_graphconst_hash_is_stable_across_processes(tmp_path, monkeypatch):
-    mod = _import_temp_module(tmp_path, monkeypatch, "nitro_gc_cross", _EXPERIMENT_MODULE)
+    mod = import_source(tmp_path, monkeypatch, "nitro_gc_cross", _EXPERIMENT_MODULE)
     here = [graphconst_field_hash(mod.Exp()), graphconst_field_hash(mod.Exp(hidden=8))]
     code = (
         "import json, nitro_ipy, nitro_gc_cross as m; "
@@ -380,9 +362,7 @@ def test_graphconst_hash_is_stable_across_processes(tmp_path, monkeypatch):
         "nitro_ipy.graphconst_field_hash(m.Exp(hidden=8))]))"
     )
     for seed in ("1", "2", "random"):
-        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": _pythonpath(tmp_path), "JAX_PLATFORMS": "cpu"}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        assert json.loads(out.stdout.strip().splitlines()[-1]) == here
+        assert json_in_child(code, tmp_path, seed) == here
     assert here[0] != here[1]
 
 

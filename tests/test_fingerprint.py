@@ -4,12 +4,6 @@ across processes, and a refusal that says where inside the value the identity-on
 import dataclasses
 import enum
 import functools
-import importlib
-import json
-import os
-import subprocess
-import sys
-import textwrap
 import typing
 
 import jax
@@ -17,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _modules import import_source, json_in_child
 
 from nitro_ipy import NitroTypeError, Unfingerprintable, fingerprint
 from nitro_ipy._fingerprint import code_fingerprint, try_fingerprint
@@ -281,10 +276,7 @@ def test_an_edit_in_a_nested_function_counts():
 
 
 def _module_class(tmp_path, monkeypatch, name, body):
-    (tmp_path / f"{name}.py").write_text(body)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, name, raising=False)
-    return importlib.import_module(name).K
+    return import_source(tmp_path, monkeypatch, name, body).K
 
 
 def test_user_module_class_fingerprints_by_its_methods(tmp_path, monkeypatch):
@@ -422,11 +414,6 @@ def test_custom_jvp_rule_is_part_of_the_fingerprint():
 
 # ---------------------------------------------------------------- across processes
 
-def _pythonpath(first) -> str:
-    """`first`, then this process's own path: the child must import the same nitro_ipy as we do."""
-    return os.pathsep.join([str(first), *(p for p in sys.path if p)])
-
-
 _CROSS_MODULE = '''
 import dataclasses, enum, functools, typing
 import jax.numpy as jnp, numpy as np, optax
@@ -482,10 +469,7 @@ def values():
 
 def test_fingerprints_are_stable_across_processes(tmp_path, monkeypatch):
     name = "nitro_fp_cross"
-    (tmp_path / f"{name}.py").write_text(textwrap.dedent(_CROSS_MODULE))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, name, raising=False)
-    mod = importlib.import_module(name)
+    mod = import_source(tmp_path, monkeypatch, name, _CROSS_MODULE)
     here = {k: fingerprint(v) for k, v in mod.values().items()}
     assert len(set(here.values())) == len(here)
     code = (
@@ -493,7 +477,5 @@ def test_fingerprints_are_stable_across_processes(tmp_path, monkeypatch):
         "print(json.dumps({k: nitro_ipy.fingerprint(v) for k, v in m.values().items()}))"
     )
     for seed in ("1", "2"):
-        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": _pythonpath(tmp_path), "JAX_PLATFORMS": "cpu"}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        there = json.loads(out.stdout.strip().splitlines()[-1])
+        there = json_in_child(code, tmp_path, seed)
         assert there == here, {k for k in here if here[k] != there.get(k)}
