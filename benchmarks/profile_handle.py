@@ -342,7 +342,7 @@ def probe_dots(cells):
                 jax.block_until_ready(c(params, x, y))
                 row[f"first_ms_{name}"] = (time.perf_counter() - t0) * 1e3
                 progs[name] = c
-            for name, c in progs.items():  # interleaved rounds, median of each side
+            for name in progs:  # interleaved rounds, median of each side
                 row[f"run_us_{name}"] = []
             for _ in range(7):
                 for name, c in progs.items():

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from . import _world
-from ._closure import sub_jaxprs
+from ._closure import jaxpr_eqns
 
 
 class CacheStats(NamedTuple):
@@ -223,24 +223,17 @@ def program_options(jaxpr, options: dict | None = None) -> dict:
 def _all_dots_narrow(jaxpr) -> bool:
     """True when `jaxpr` (sub-jaxprs included) multiplies matrices, and every multiply has at most one of
     its rows, columns and contracted size above `NARROW_DOT`."""
-    stack, seen, dots = [getattr(jaxpr, "jaxpr", jaxpr)], set(), 0
-    while stack:
-        j = stack.pop()
-        if id(j) in seen:
-            continue
-        seen.add(id(j))
-        for eqn in j.eqns:
-            if eqn.primitive.name == "dot_general":
-                dots += 1
-                (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-                lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
-                rows = math.prod(d for i, d in enumerate(lhs) if i not in lc and i not in lb)
-                cols = math.prod(d for i, d in enumerate(rhs) if i not in rc and i not in rb)
-                inner = math.prod(lhs[i] for i in lc)
-                if sorted((rows, cols, inner))[1] > NARROW_DOT:
-                    return False
-            elif eqn.params:
-                stack.extend(sub_jaxprs(eqn.params))
+    dots = 0
+    for eqn in jaxpr_eqns([jaxpr]):
+        if eqn.primitive.name == "dot_general":
+            dots += 1
+            (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+            lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+            rows = math.prod(d for i, d in enumerate(lhs) if i not in lc and i not in lb)
+            cols = math.prod(d for i, d in enumerate(rhs) if i not in rc and i not in rb)
+            inner = math.prod(lhs[i] for i in lc)
+            if sorted((rows, cols, inner))[1] > NARROW_DOT:
+                return False
     return dots > 0
 
 

@@ -1213,7 +1213,7 @@ def _tracebacks_usable() -> bool:
     return callable(getattr(xla_client.Traceback, "raw_frames", None))
 
 
-def sub_jaxprs(params: dict) -> list:
+def _sub_jaxprs(params: dict) -> list:
     """The jaxprs an equation carries (pjit, scan, cond branches, while, custom_jvp/vjp, remat)."""
     out = []
     for value in params.values():
@@ -1224,36 +1224,41 @@ def sub_jaxprs(params: dict) -> list:
     return out
 
 
+def jaxpr_eqns(jaxprs: list):
+    """Every equation of `jaxprs` (Jaxpr or ClosedJaxpr) and of the jaxprs they carry, at any depth; a
+    jaxpr reached twice (a cached inner jit called twice) is walked once."""
+    stack, seen = [getattr(j, "jaxpr", j) for j in jaxprs], {}
+    while stack:
+        jaxpr = stack.pop()
+        if id(jaxpr) in seen:
+            continue
+        seen[id(jaxpr)] = jaxpr  # held for the walk, so no id is reused by a new object
+        for eqn in jaxpr.eqns:
+            yield eqn
+            if eqn.params:
+                stack.extend(_sub_jaxprs(eqn.params))
+
+
 def _traceback_codes(jaxprs: list) -> dict[int, types.CodeType]:
     """User code objects on the Python stack when any equation (at any depth) was traced.
 
     JAX keeps a traceback per equation, cut at the traced function (cached inner jaxprs keep theirs):
     every user function that bound a primitive, directly or any number of calls down, is on one.
     `<module>` frames are never a function the program depends on."""
-    codes, seen_tb, seen_jaxpr, keep = {}, set(), set(), []
-    stack = [getattr(j, "jaxpr", j) for j in jaxprs]
+    codes, seen_tb = {}, {}
     get_verdict = _file_verdicts.get
-    while stack:
-        jaxpr = stack.pop()
-        if id(jaxpr) in seen_jaxpr:
-            continue
-        seen_jaxpr.add(id(jaxpr))
-        keep.append(jaxpr)
-        for eqn in jaxpr.eqns:
-            tb = eqn.source_info.traceback
-            if tb is not None and id(tb) not in seen_tb:
-                seen_tb.add(id(tb))
-                keep.append(tb)
-                for code in tb.raw_frames()[0]:
-                    if code.co_name == "<module>":
-                        break
-                    verdict = get_verdict(code.co_filename)
-                    if verdict is None:
-                        verdict = _classify_file(code.co_filename)
-                    if verdict:
-                        codes[id(code)] = code
-            if eqn.params:
-                stack.extend(sub_jaxprs(eqn.params))
+    for eqn in jaxpr_eqns(jaxprs):
+        tb = eqn.source_info.traceback
+        if tb is not None and id(tb) not in seen_tb:
+            seen_tb[id(tb)] = tb  # held, like the jaxprs: ids stay unique for the walk
+            for code in tb.raw_frames()[0]:
+                if code.co_name == "<module>":
+                    break
+                verdict = get_verdict(code.co_filename)
+                if verdict is None:
+                    verdict = _classify_file(code.co_filename)
+                if verdict:
+                    codes[id(code)] = code
     return codes
 
 
