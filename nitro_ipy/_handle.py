@@ -43,8 +43,6 @@ def _default_optimizer(self):
     return optax.adam(1e-3)
 
 
-
-
 def _short_repr(value, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
