@@ -2,15 +2,14 @@
 
 import dataclasses
 import math
-import re
 import time
 from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
 
-from . import _world
-from ._closure import jaxpr_eqns
+from . import _memo, _world
+from ._compat import jaxpr_eqns, unknown_compile_option
 
 
 class CacheStats(NamedTuple):
@@ -123,6 +122,7 @@ def cache_stats() -> CacheStats:
 def cache_reset() -> None:
     """Empty the compile cache and zero its counters: the escape hatch for anything staleness cannot see."""
     global _state
+    _memo.clear_all()
     _state = _State()
     _state.scanned_world = _world.world()
     _notify(_on_reset)
@@ -245,10 +245,10 @@ def _compile(lowered, options: dict):
         try:
             return lowered.compile(compiler_options=options), options
         except Exception as err:
-            unknown = re.search(r"No such compile option: '([^']+)'", str(err))
-            if unknown is None or unknown.group(1) not in options:
+            unknown = unknown_compile_option(err)
+            if unknown is None or unknown not in options:
                 break  # not an unknown option: compile as usual
-            del options[unknown.group(1)]
+            del options[unknown]
     return lowered.compile(), {}
 
 

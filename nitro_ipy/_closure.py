@@ -51,6 +51,14 @@ import types
 import weakref
 from typing import NamedTuple
 
+from ._compat import (
+    CUSTOM_DERIVATIVE_PARTS,
+    equation_traceback,
+    is_custom_derivative,
+    jaxpr_eqns,
+    traceback_codes,
+    tracebacks_usable as _tracebacks_usable,
+)
 from ._fingerprint import Unfingerprintable, code_fingerprint, fingerprint, is_library_file
 
 __all__ = [
@@ -200,9 +208,7 @@ def _underlying(obj, limit: int = 64) -> list:
             # jax.jit / jax.checkpoint / other `__wrapped__` wrappers; custom_jvp and custom_vjp (`fun`
             # and their rules). A user object's attribute that raises is no dependency.
             names = (
-                ("fun", "jvp", "fwd", "bwd")
-                if type(x).__name__ in ("custom_jvp", "custom_vjp")
-                else ("__wrapped__",)
+CUSTOM_DERIVATIVE_PARTS if is_custom_derivative(x) else ("__wrapped__",)
             )
             for name in names:
                 try:
@@ -1203,42 +1209,6 @@ def note_class_attr(cls, name: str, attr) -> None:
 # The traceback mode: the user functions a trace ran, read from its equations' source tracebacks
 
 
-@functools.cache
-def _tracebacks_usable() -> bool:
-    """Whether this jaxlib's tracebacks hand out their code objects (a JAX internal; else: `profile`)."""
-    try:
-        from jax._src.lib import xla_client
-    except Exception:
-        return False
-    return callable(getattr(xla_client.Traceback, "raw_frames", None))
-
-
-def _sub_jaxprs(params: dict) -> list:
-    """The jaxprs an equation carries (pjit, scan, cond branches, while, custom_jvp/vjp, remat)."""
-    out = []
-    for value in params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            inner = getattr(v, "jaxpr", v)  # a ClosedJaxpr holds its Jaxpr
-            if hasattr(inner, "eqns"):
-                out.append(inner)
-    return out
-
-
-def jaxpr_eqns(jaxprs: list):
-    """Every equation of `jaxprs` (Jaxpr or ClosedJaxpr) and of the jaxprs they carry, at any depth; a
-    jaxpr reached twice (a cached inner jit called twice) is walked once."""
-    stack, seen = [getattr(j, "jaxpr", j) for j in jaxprs], {}
-    while stack:
-        jaxpr = stack.pop()
-        if id(jaxpr) in seen:
-            continue
-        seen[id(jaxpr)] = jaxpr  # held for the walk, so no id is reused by a new object
-        for eqn in jaxpr.eqns:
-            yield eqn
-            if eqn.params:
-                stack.extend(_sub_jaxprs(eqn.params))
-
-
 def _traceback_codes(jaxprs: list) -> dict[int, types.CodeType]:
     """User code objects on the Python stack when any equation (at any depth) was traced.
 
@@ -1248,10 +1218,10 @@ def _traceback_codes(jaxprs: list) -> dict[int, types.CodeType]:
     codes, seen_tb = {}, {}
     get_verdict = _file_verdicts.get
     for eqn in jaxpr_eqns(jaxprs):
-        tb = eqn.source_info.traceback
+        tb = equation_traceback(eqn)
         if tb is not None and id(tb) not in seen_tb:
             seen_tb[id(tb)] = tb  # held, like the jaxprs: ids stay unique for the walk
-            for code in tb.raw_frames()[0]:
+            for code in traceback_codes(tb):
                 if code.co_name == "<module>":
                     break
                 verdict = get_verdict(code.co_filename)

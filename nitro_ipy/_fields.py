@@ -7,6 +7,7 @@ import typing
 from typing import Annotated
 
 from ._errors import HostFieldAccessError, NitroTypeError
+from ._memo import Memo
 
 
 class _Marker:
@@ -93,7 +94,7 @@ def _check_dataclass(cls_or_obj):
     return cls
 
 
-_kinds_cache: dict = {}
+_kinds_cache = Memo("field kinds", maxsize=1024)  # per experiment class
 
 
 def field_kinds(cls_or_obj) -> dict[str, str]:

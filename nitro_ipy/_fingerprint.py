@@ -15,7 +15,9 @@ import types
 
 import numpy as np
 
+from ._compat import is_custom_derivative
 from ._errors import NitroTypeError
+from ._memo import Memo
 
 
 class Unfingerprintable(NitroTypeError):
@@ -190,7 +192,7 @@ class _Hasher:
             self.text(f"{getattr(v, '__module__', None)}.{v.__name__}")
         elif isinstance(v, type):
             self.cls(v, path)
-        elif hasattr(v, "fun") and type(v).__name__ in ("custom_jvp", "custom_vjp"):
+        elif is_custom_derivative(v):
             self.callables.append(v)
             self.tag(b"custom")
             self.text(t.__name__)
@@ -277,7 +279,7 @@ def _is_treedef(v) -> bool:
     return jax is not None and isinstance(v, jax.tree_util.PyTreeDef)
 
 
-_code_memo: dict[int, tuple[types.CodeType, str]] = {}
+_code_memo = Memo("code fingerprints", maxsize=65536)  # id(code) -> (code, fingerprint)
 
 
 def code_fingerprint(code: types.CodeType) -> str:

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 
 from . import _cache, _closure, _report
+from ._compat import compiled_in_avals, compiled_out_avals
 from ._data import check_splits, eval_batches, split_len, steps_per_epoch, train_batches
 from ._errors import NitroTypeError, NitroValueError, NonFiniteLossError
 from ._fields import (
@@ -588,11 +589,11 @@ def _count_reuse(grad, opt, steps: int):
 def _returns_its_inputs(opt_entry) -> bool:
     """True when the optimizer program returns params and state of exactly the avals it takes, so the
     next step can skip re-keying. False means the key would move: the slow path re-keys every step."""
-    try:
-        in_avals = jax.tree.leaves(opt_entry.call.in_avals[0][0]) + jax.tree.leaves(opt_entry.call.in_avals[0][2])
-        out_avals = jax.tree.leaves(opt_entry.call.out_info)
-    except Exception:
+    in_avals, out_avals = compiled_in_avals(opt_entry.call), compiled_out_avals(opt_entry.call)
+    if in_avals is None or out_avals is None:
         return True
+    in_avals = jax.tree.leaves(in_avals[0]) + jax.tree.leaves(in_avals[2])
+    out_avals = jax.tree.leaves(out_avals)
     norm = lambda a: (tuple(a.shape), str(a.dtype), bool(getattr(a, "weak_type", False)))
     return [norm(a) for a in in_avals] == [norm(a) for a in out_avals]
 

@@ -1,0 +1,109 @@
+"""Every JAX/XLA internal nitro_ipy relies on, in one place, each with a test in `tests/test_compat.py`.
+
+A JAX upgrade has one file to look at: when a test here fails, the function beside it is what to fix.
+Each function degrades (returns None / False / an empty answer) rather than raising where the internal
+is missing, and says in its docstring what the caller falls back to.
+"""
+
+import functools
+import re
+
+import jax
+
+# Type names of JAX's custom-derivative wrappers (`jax.custom_jvp`, `jax.custom_vjp`): the public classes
+# are re-exported under other module paths across releases, so they are matched by name.
+_CUSTOM_DERIVATIVE_TYPES = ("custom_jvp", "custom_vjp")
+# The attributes of those wrappers holding user functions: the primal and its rules.
+CUSTOM_DERIVATIVE_PARTS = ("fun", "jvp", "fwd", "bwd")
+
+
+def is_custom_derivative(obj) -> bool:
+    """True for a `jax.custom_jvp` / `jax.custom_vjp` wrapper (its primal is `obj.fun`)."""
+    return type(obj).__name__ in _CUSTOM_DERIVATIVE_TYPES and hasattr(obj, "fun")
+
+
+@functools.cache
+def tracebacks_usable() -> bool:
+    """Whether this jaxlib's tracebacks hand out their code objects (`Traceback.raw_frames`).
+
+    Without it the 3.11 recorder falls back to `sys.setprofile` (the `profile` mode)."""
+    try:
+        from jax._src.lib import xla_client
+    except Exception:
+        return False
+    return callable(getattr(xla_client.Traceback, "raw_frames", None))
+
+
+def traceback_codes(tb) -> list:
+    """The code objects of an equation's source traceback, innermost first (`Traceback.raw_frames`)."""
+    return tb.raw_frames()[0]
+
+
+def equation_traceback(eqn):
+    """The Python traceback JAX kept for a jaxpr equation, or None."""
+    return eqn.source_info.traceback
+
+
+def sub_jaxprs(params: dict) -> list:
+    """The jaxprs an equation carries in its params (pjit, scan, cond branches, while, custom_jvp/vjp,
+    remat): any param value, or item of a tuple/list value, with `eqns` (a ClosedJaxpr holds its Jaxpr)."""
+    out = []
+    for value in params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            inner = getattr(v, "jaxpr", v)
+            if hasattr(inner, "eqns"):
+                out.append(inner)
+    return out
+
+
+def jaxpr_eqns(jaxprs: list):
+    """Every equation of `jaxprs` (Jaxpr or ClosedJaxpr) and of the jaxprs they carry, at any depth; a
+    jaxpr reached twice (a cached inner jit called twice) is walked once."""
+    stack, seen = [getattr(j, "jaxpr", j) for j in jaxprs], {}
+    while stack:
+        jaxpr = stack.pop()
+        if id(jaxpr) in seen:
+            continue
+        seen[id(jaxpr)] = jaxpr  # held for the walk, so no id is reused by a new object
+        for eqn in jaxpr.eqns:
+            yield eqn
+            if eqn.params:
+                stack.extend(sub_jaxprs(eqn.params))
+
+
+def compiled_in_avals(compiled) -> list | None:
+    """The abstract values of a `jax.stages.Compiled`'s positional arguments, one pytree per argument,
+    or None where this JAX does not expose them (`Compiled.in_avals`)."""
+    try:
+        return list(compiled.in_avals[0])
+    except Exception:
+        return None
+
+
+def compiled_out_avals(compiled):
+    """The abstract values of a `jax.stages.Compiled`'s outputs (`Compiled.out_info`), or None."""
+    try:
+        return compiled.out_info
+    except Exception:
+        return None
+
+
+# XLA refuses an option it does not know with this text (options come and go between releases).
+_UNKNOWN_OPTION = re.compile(r"No such compile option: '([^']+)'")
+
+
+def unknown_compile_option(err: BaseException) -> str | None:
+    """The option name when `err` is XLA refusing an unknown compile option, else None."""
+    found = _UNKNOWN_OPTION.search(str(err))
+    return None if found is None else found.group(1)
+
+
+# XLA:CPU option names nitro_ipy sets (see `_compile.py` for why each is set). An XLA that does not know
+# one drops it (`unknown_compile_option`).
+YNN_FUSION_OPTION = "xla_cpu_experimental_ynn_fusion_type"
+FUSION_EMITTERS_OPTION = "xla_cpu_use_fusion_emitters"
+OPTIMIZATION_LEVEL_OPTION = "xla_backend_optimization_level"
+
+
+def default_backend() -> str:
+    return jax.default_backend()

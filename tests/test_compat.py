@@ -1,0 +1,75 @@
+"""One test per JAX/XLA internal in `_compat.py`: when JAX moves one, the failing test names it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nitro_ipy import _compat
+
+
+def _traced(fn, *args):
+    return jax.jit(fn).trace(*args).jaxpr
+
+
+def test_custom_derivative_wrappers_are_recognised_with_their_parts():
+    @jax.custom_jvp
+    def f(x):
+        return x
+
+    @jax.custom_vjp
+    def g(x):
+        return x
+
+    g.defvjp(lambda x: (x, None), lambda _, ct: (ct,))
+    assert _compat.is_custom_derivative(f) and _compat.is_custom_derivative(g)
+    assert not _compat.is_custom_derivative(jax.jit(lambda x: x)) and not _compat.is_custom_derivative(len)
+    assert f.fun is not None and g.fwd is not None and g.bwd is not None
+    assert set(_compat.CUSTOM_DERIVATIVE_PARTS) == {"fun", "jvp", "fwd", "bwd"}
+
+
+def test_equation_tracebacks_hand_out_this_files_code():
+    def user_fn(x):
+        return jnp.sin(x) * 2
+
+    assert _compat.tracebacks_usable()
+    eqn = next(iter(_compat.jaxpr_eqns([_traced(user_fn, 1.0)])))
+    codes = _compat.traceback_codes(_compat.equation_traceback(eqn))
+    assert user_fn.__code__ in codes
+
+
+def test_jaxpr_walk_reaches_scan_cond_and_inner_jit_bodies():
+    inner = jax.jit(lambda x: jnp.cos(x))
+
+    def fn(x):
+        y = jax.lax.cond(x > 0, jnp.exp, jnp.log1p, x)
+        z, _ = jax.lax.scan(lambda c, _: (inner(c), None), y, None, length=2)
+        return z
+
+    names = {e.primitive.name for e in _compat.jaxpr_eqns([_traced(fn, 1.0)])}
+    assert {"exp", "log1p", "cos", "cond", "scan"} <= names
+
+
+def test_compiled_avals_describe_arguments_and_outputs():
+    compiled = jax.jit(lambda a, b: (a + 1, b.sum())).trace(np.zeros((2, 3), np.float32), np.ones(4)).lower().compile()
+    ins, outs = _compat.compiled_in_avals(compiled), _compat.compiled_out_avals(compiled)
+    assert [tuple(a.shape) for a in ins] == [(2, 3), (4,)]
+    assert [tuple(o.shape) for o in jax.tree.leaves(outs)] == [(2, 3), ()]
+
+
+def test_unknown_compile_option_is_read_from_xlas_refusal():
+    lowered = jax.jit(lambda x: x + 1).trace(1.0).lower()
+    with pytest.raises(Exception) as err:
+        lowered.compile(compiler_options={"nitro_ipy_no_such_option": True})
+    assert _compat.unknown_compile_option(err.value) == "nitro_ipy_no_such_option"
+    assert _compat.unknown_compile_option(ValueError("something else")) is None
+
+
+def test_the_option_names_we_set_are_known_to_this_xla_or_dropped_cleanly():
+    lowered = jax.jit(lambda x: x @ x).trace(np.ones((4, 4), np.float32)).lower()
+    for name, value in ((_compat.YNN_FUSION_OPTION, ""), (_compat.OPTIMIZATION_LEVEL_OPTION, 1),
+                        (_compat.FUSION_EMITTERS_OPTION, False)):
+        try:
+            lowered.compile(compiler_options={name: value})
+        except Exception as err:  # only ever "unknown": a known option with a bad value is our bug
+            assert _compat.unknown_compile_option(err) == name
