@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 
 import nitro_ipy  # noqa: E402
 from nitro_ipy import Nitro  # noqa: E402
-from nitro_ipy import _cache, _report  # noqa: E402
+from nitro_ipy import _cache, _compile, _report  # noqa: E402
 
 TARGETS = {"tiny_epoch": 1.10, "deep_epoch": 0.75, "edit_cycle": 0.50}
 
@@ -153,7 +153,7 @@ def baseline_variant(cells, cfg, n, data, *, donate=False, compiler_options=None
     """Not a target: nitro against a more careful user's fused step, to show where nitro's lead comes
     from. `donate=True`: `jax.jit(step, donate_argnums=(0, 1))` (nitro's optimizer program donates params
     and state). `compiler_options`: `jax.jit(step, compiler_options=...)` (nitro's narrow programs compile
-    without YNNPACK, see `_cache.NARROW_DOT`)."""
+    without YNNPACK, see `_compile.NARROW_DOT`)."""
     step, opt = cells.define_baseline(donate=donate, compiler_options=compiler_options)
     b = M.Baseline(step, opt, M.init_mlp(jax.random.PRNGKey(0), cfg["in_dim"], cfg["width"], cfg["depth"]),
                    data, cfg["batch"])
@@ -273,7 +273,7 @@ def edit_cycles(cells, name, cfg, n, b) -> dict:
                 t_base = baseline_epoch(b)[0]
             row = {}
             if kind == "class" and cfg["variant_rounds"]:  # information: a user who also passes the option
-                b.step, _ = cells.define_baseline(expr, compiler_options=_cache._WITHOUT_YNN)
+                b.step, _ = cells.define_baseline(expr, compiler_options=_compile.WITHOUT_YNN)
                 row["baseline_without_ynn_s"] = baseline_epoch(b)[0]
                 row["ratio_without_ynn"] = clock.wall / row["baseline_without_ynn_s"]
             results.append({
@@ -397,7 +397,7 @@ def main(argv=None):
                                                        donate=True)
         log("120-layer MLP: steady state against a baseline compiled without YNNPACK (information) ...")
         deep["vs_baseline_without_ynn"] = baseline_variant(cells, cfg["deep"], deep["_handle"], deep["_data"],
-                                                           compiler_options=_cache._WITHOUT_YNN)
+                                                           compiler_options=_compile.WITHOUT_YNN)
     log("120-layer MLP: compile report ...")
     res["compile"] = compile_report(cfg["deep"], deep)
     log("120-layer MLP: live-edit cycles ...")

@@ -1,6 +1,6 @@
 """Benchmark: what staleness detection costs (the world memo, the dependency scan, closure recording).
 
-Everything runs through the real package: programs are compiled by `_cache.compile_program` with the real
+Everything runs through the real package: programs are compiled by `_compile.compile_program` with the real
 recorder (`_closure.record`), scans are the real `_cache.ensure_fresh()` over the real cache.
 
 Targets:
@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import nitro_ipy
-from nitro_ipy import _cache, _closure, _report, _world
+from nitro_ipy import _cache, _closure, _compile, _report, _world
 from nitro_ipy import Nitro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -164,7 +164,7 @@ def bench_entry(cfg) -> dict:
 
     nitro_ipy.bump_world()
     _cache.ensure_fresh()
-    scanned = _cache._state.scanned_world
+    scanned = _cache.scanned_world()
     assert scanned == _world.world()
 
     def noop():
@@ -176,7 +176,7 @@ def bench_entry(cfg) -> dict:
             empty.append(per_call_ns(noop, cfg["fresh_calls"]))
             fresh.append(per_call_ns(_cache.ensure_fresh, cfg["fresh_calls"]))
             enter.append(per_call_ns(n._enter, cfg["enter_calls"]))
-    assert _cache._state.scanned_world == scanned, "a scan ran although the world did not move"
+    assert _cache.scanned_world() == scanned, "a scan ran although the world did not move"
     assert not msgs.items, msgs.kinds()
     nitro_ipy.cache_reset()
     sys.modules.pop(cells.module.__name__, None)
@@ -244,11 +244,11 @@ def cache_program(owner: str, fn, x, compile_: bool):
     recorded trace (`compile_program` records around `.trace` only) stored without XLA lowering/compile."""
     key = _cache.Key("eval", owner, (), _cache.arg_signature((x,)), "", ())
     if compile_:
-        return _cache.compile_program(key, fn, (x,), record=_closure.record)
+        return _compile.compile_program(key, fn, (x,), record=_closure.record)
     with _closure.record() as recorder:
         recorder.traced(jax.jit(fn).trace(x).jaxpr)
-    entry = _cache.Entry(key, None, 0.0, 0.0, recorder.closure, world=_world.world())
-    _cache._state.entries[key] = entry
+    entry = _cache.Entry(key, None, 0.0, 0.0, recorder.closure)
+    _cache.store(entry)
     return entry
 
 
@@ -345,10 +345,8 @@ def scan_breakdown(reps: int) -> dict:
 
 def unpoison() -> None:
     """Put poisoned entries back (the benchmark restores the helper it redefined)."""
-    for e in _cache._state.poisoned:
-        e.poisoned, e.drifted = False, ()
-        _cache._state.entries[e.key] = e
-    _cache._state.poisoned.clear()
+    for e in _cache.poisoned_entries():
+        _cache.revive(e)
 
 
 def redefine(target: dict, k: int):
@@ -385,8 +383,8 @@ def scan_scenario(label: str, build, directory: str, cfg) -> dict:
             t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
             times.append((t1 - t0) / 1e6)
             cpu.append((c1 - c0) / 1e6)
-            assert not _cache._state.poisoned and len(_cache._state.entries) == N_PROGRAMS
-            assert _cache._state.scanned_world == _world.world()
+            assert not _cache.poisoned_entries() and _cache.cache_stats().entries == N_PROGRAMS
+            assert _cache.scanned_world() == _world.world()
     assert not msgs.items, msgs.kinds()
     breakdown = scan_breakdown(max(10, cfg["scan_reps"] // 10))
 
@@ -410,7 +408,7 @@ def scan_scenario(label: str, build, directory: str, cfg) -> dict:
         with Messages() as msgs:
             nitro_ipy.bump_world()
             _cache.ensure_fresh()  # restored: clean again
-        assert not _cache._state.poisoned and not msgs.items, msgs.kinds()
+        assert not _cache.poisoned_entries() and not msgs.items, msgs.kinds()
 
     nitro_ipy.cache_reset()
     for name in target["modules"]:
@@ -498,9 +496,9 @@ def first_call(recorded: bool, args) -> tuple:
     key = _cache.Key("grad", f"{name}.grad_fn", (), _cache.arg_signature(args), "", ())
     gc.collect()
     c0, t0 = time.process_time(), time.perf_counter()
-    entry = _cache.compile_program(key, fn, args, record=_closure.record if recorded else None)
+    entry = _compile.compile_program(key, fn, args, record=_closure.record if recorded else None)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    del _cache._state.entries[key]  # keep the cache (and explain_miss) the same size for both sides
+    _cache.discard(key)  # keep the cache (and explain_miss) the same size for both sides
     sys.modules.pop(name, None)
     if recorded:
         got = {d.qualname for d in entry.closure.functions}

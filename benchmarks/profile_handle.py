@@ -18,7 +18,7 @@ stated) so it can be re-measured after a change:
 - `rebuild`: `n.rebuild()` after an edit, and three ways to copy the carried state.
 - `dots`: first call and run time of MLP gradient programs over a grid of widths and batch sizes, with
   XLA:CPU's YNNPACK multiplies (the default) and without (XLA's own kernels): the data behind
-  `_cache.NARROW_DOT`.
+  `_compile.NARROW_DOT`.
 """
 
 import argparse
@@ -40,7 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import nitro_ipy  # noqa: E402
-from nitro_ipy import Nitro, _cache, _programs, _report  # noqa: E402
+from nitro_ipy import Nitro, _cache, _compile, _programs, _report  # noqa: E402
 
 DEEP = dict(in_dim=16, width=32, depth=120, batch=64)
 TINY = dict(in_dim=8, width=32, depth=1, batch=32)
@@ -323,7 +323,7 @@ def probe_rebuild(cells):
 
 
 def probe_dots(cells):
-    """Behind `_cache.NARROW_DOT`: for MLP gradient programs (8 layers) over a grid of widths and batch
+    """Behind `_compile.NARROW_DOT`: for MLP gradient programs (8 layers) over a grid of widths and batch
     sizes, the first call of a new program (YNNPACK builds its runtime per multiply there) and the run time
     after it, with YNNPACK (XLA's default) and without (XLA's own kernels)."""
     print("dots: gradient program of an 8-layer MLP, multiplies by YNNPACK (default) vs XLA's own kernels")
@@ -336,7 +336,7 @@ def probe_dots(cells):
             y = jnp.zeros((batch,), jnp.float32)
             grad = jax.value_and_grad(lambda p, x, y: jnp.mean((M.mlp_forward(p, x) - y) ** 2))
             row, progs = {"width": width, "batch": batch}, {}
-            for name, opts in (("ynn", {}), ("own", _cache._WITHOUT_YNN)):
+            for name, opts in (("ynn", {}), ("own", _compile.WITHOUT_YNN)):
                 c = jax.jit(grad).lower(params, x, y).compile(compiler_options=opts)
                 t0 = time.perf_counter()
                 jax.block_until_ready(c(params, x, y))

@@ -100,7 +100,7 @@ def load(shell) -> None:
     if widget_kernel(shell):
         widgets = _import_widgets()
         if widgets is not None:
-            state.sink = widgets.RichSink(shell, _report._sink)
+            state.sink = widgets.RichSink(shell, _report.sink())
             state.previous_sink = _report.set_sink(state.sink)
         elif not _hinted:
             _hinted = True
@@ -122,7 +122,7 @@ def unload(shell) -> None:
     _loaded = None
     if state.magics is not None:
         _remove_magics(state.shell, state.magics)
-    if state.sink is not None and _report._sink is state.sink:
+    if state.sink is not None and _report.sink() is state.sink:
         _report.set_sink(state.previous_sink)
     if state.panel is not None:
         state.panel.close()
@@ -152,7 +152,7 @@ def refresh_watch(state: _Loaded) -> None:
     """Watch the user module files that cached programs depend on. Cheap when the cache did not change."""
     stats = _cache.cache_stats()
     # Hits do not change what is cached. (A reset reuses no figures unless the same programs come back.)
-    signature = (id(_cache._state), stats.misses, stats.entries)
+    signature = (_cache.generation(), stats.misses, stats.entries)
     if signature == state.watch_signature:
         return
     state.watch_signature = signature

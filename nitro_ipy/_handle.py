@@ -14,7 +14,8 @@ import jax
 import numpy as np
 import optax
 
-from . import _cache, _closure, _report
+from . import _cache, _closure, _compile, _report
+from ._report import Kind
 from ._compat import compiled_in_avals, compiled_out_avals
 from ._data import check_splits, eval_batches, split_len, steps_per_epoch, train_batches
 from ._errors import NitroTypeError, NitroValueError, NonFiniteLossError
@@ -29,15 +30,6 @@ from ._fingerprint import Unfingerprintable, code_fingerprint, fingerprint, func
 from ._hooks import field_names, hook, live_class, metric_hooks
 from ._layout import FlatLayout, TreeLayout
 from . import _programs
-
-
-# The optimizer program unravels the flat buffers into one slice per parameter array. XLA:CPU's fusion
-# emitters compile each slice as its own LLVM module (35-150 ms apiece here: 4-6 s at 242 arrays); the
-# classic emitters at optimization level 1 compile the same program in about a quarter of that and run it
-# faster (benchmarks/profile_handle.py `optflags`). Only this program gets them: the gradient program,
-# which every edit recompiles, compiles slower with them. An XLA without one of them (jax 0.12 dropped the
-# fusion-emitter switch) compiles with the rest: level 1 alone takes 2.9 s there instead of 4.5 s.
-_OPT_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1}
 
 
 def _default_optimizer(self):
@@ -295,9 +287,9 @@ class Nitro:
             return entry
         entry = _cache.lookup(key)
         if entry is None:
-            entry = _cache.compile_program(key, build(), args, donate_argnums=donate, info=self._info,
+            entry = _compile.compile_program(key, build(), args, donate_argnums=donate, info=self._info,
                                            record=_closure.record, compiler_options=compiler_options)
-            _report.emit("compile", _compile_line(entry), entry=entry)
+            _report.emit(Kind.COMPILE, entry=entry)
             first = self._kinds_seen.get(kind)
             if first is not None and first.hooks == key.hooks and kind not in self._loops_reported:
                 self._report_loop(kind, first, entry)
@@ -309,15 +301,7 @@ class Nitro:
         if kind not in ("grad", "opt"):
             return
         self._loops_reported.add(kind)
-        why = entry.why or "the key moved"
-        _report.emit(
-            "recompile-loop",
-            f"nitro_ipy: recompile loop: the `{kind}` program compiled again after step 1 ({why}). "
-            f"Something in its key moves every step; every step pays a compile. Usual causes: a GraphConst "
-            f"field rebuilt with a new value, an optimizer state whose shape or dtype changes, batch shapes "
-            f"that vary.",
-            program=kind, why=why,
-        )
+        _report.emit(Kind.RECOMPILE_LOOP, program=kind, why=entry.why or "the key moved")
 
     def _options_key(self) -> tuple:
         return (("accum", self.accum), ("layout", self._layout.signature))
@@ -336,24 +320,15 @@ class Nitro:
         return self._resolve("opt", build, (self._params, flat_grads, self._state, self._dev),
                              ("params", "grads", "opt_state", "device"), ("optimizer",),
                              (("layout", self._layout.signature),), donate=(0, 2),
-                             compiler_options=_OPT_COMPILER_OPTIONS)
+                             compiler_options=_compile.OPTIMIZER_OPTIONS)
 
     # ---------------------------------------------------------------- entry points
     def _enter(self):
         _cache.ensure_fresh()
         stale = [e for e in self._programs.values() if e.poisoned]
         if stale:
-            names = []
-            for e in stale:
-                names.extend(n for n in e.drifted if n not in names)
-            kinds = ", ".join(sorted({e.kind for e in stale}))
-            _report.emit(
-                "stale-handle",
-                f"! this handle's compiled programs had dependency methods redefined: {', '.join(names)} "
-                f"({kinds}). It keeps running the programs it was built with; to use the current code, "
-                f"rebuild it: `n = n.rebuild()`",
-                handle=self, names=tuple(names), kinds=tuple(e.kind for e in stale),
-            )
+            _report.emit(Kind.STALE_HANDLE, handle=self, names=_report.merge_names(stale),
+                         kinds=tuple(e.kind for e in stale))
 
     def train(self, epochs: int | None = None) -> list[dict]:
         """Train for `epochs` (default `max_epochs`) epochs, validating after each one when a `valid`
@@ -377,7 +352,7 @@ class Nitro:
             self.history.append(record)
             records.append(record)
             if self.progress:
-                _report.emit("epoch", _epoch_line(record), record=record)
+                _report.emit(Kind.EPOCH, record=record)
         return records
 
     def _train_epoch(self, split, fields, steps) -> float:
@@ -427,7 +402,7 @@ class Nitro:
                         losses = []
                         _count_reuse(grad, opt, reused)
                         reused = 0
-                        _cache._notify(_cache._on_progress)  # the live panel, never per step
+                        _cache.publish("progress")  # the live panel, never per step
                         next_sync = time.perf_counter() + 0.25
                 if gate[1]:
                     raise KeyboardInterrupt
@@ -609,23 +584,6 @@ def _rebind(e, cls):
     """An instance of the live class `cls` carrying `e`'s field values (the class cell was re-run)."""
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     return cls(**{n: getattr(e, n) for n in names if hasattr(e, n)})
-
-
-def _compile_line(entry) -> str:
-    why = f" ({entry.why})" if entry.why else ""
-    hooks = ", ".join(entry.hook_names)
-    return (
-        f"nitro_ipy: compiled {entry.kind} [{hooks}] in {entry.trace_s + entry.compile_s:.2f} s "
-        f"(trace {entry.trace_s:.2f} s, XLA {entry.compile_s:.2f} s){why}"
-    )
-
-
-def _epoch_line(record: dict) -> str:
-    parts = [f"epoch {record['epoch']}"]
-    for k, v in record.items():
-        if k != "epoch" and isinstance(v, float):
-            parts.append(f"{k} {v:.4g}")
-    return "nitro_ipy: " + " | ".join(parts)
 
 
 def _progress_bar(total: int, desc: str):

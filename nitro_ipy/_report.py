@@ -1,40 +1,139 @@
-"""Where nitro_ipy's messages go: plain text lines by default, rich widgets once the extension is loaded.
+"""Every message nitro_ipy says, and where it goes: plain text lines by default, rich output once the
+extension is loaded.
 
-A message is a `Message(kind, text, data)`. Kinds: "stale-cache" (informational, once per redefinition),
-"stale-handle" (the running handle holds a poisoned program), "disk-edit" (a file changed on disk but was
-not reloaded), "recompile-loop", "compile". The core only calls `emit`; front ends install a sink.
+A message is a `Message(kind, text, data)`: `kind` is a `Kind`, `data` the facts the text was built
+from (front ends key on the kind and read the data, never parse the text). The core calls
+`emit(kind, **data)`; the text comes from that kind's builder below, so each message is composed in one
+place. Front ends install a sink (`set_sink`).
 """
 
+import enum
 import sys
 from typing import Callable, NamedTuple
 
 
+class Kind(str, enum.Enum):
+    """What a message is about. A `str` enum: `Kind.COMPILE == "compile"`."""
+
+    COMPILE = "compile"  # a program was compiled: entry
+    STALE_CACHE = "stale-cache"  # informational, once per redefinition: count, names, kinds
+    STALE_HANDLE = "stale-handle"  # the running handle holds a poisoned program: handle, names, kinds
+    DISK_EDIT = "disk-edit"  # a file changed on disk but was not reloaded: names
+    RECOMPILE_LOOP = "recompile-loop"  # a program kind compiled again after step 1: program, why
+    EPOCH = "epoch"  # an epoch ended: record
+
+    def __str__(self):
+        return self.value
+
+
 class Message(NamedTuple):
-    kind: str
+    kind: Kind
     text: str
     data: dict
 
 
-def _print_sink(msg: Message) -> None:
+def merge_names(entries) -> tuple:
+    """The drifted names of `entries`, each once, in the order they were first met."""
+    names: dict = {}
+    for entry in entries:
+        names.update(dict.fromkeys(entry.drifted))
+    return tuple(names)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' if n != 1 else ''}"
+
+
+def _compile_text(entry) -> str:
+    why = f" ({entry.why})" if entry.why else ""
+    hooks = ", ".join(entry.hook_names)
+    return (
+        f"nitro_ipy: compiled {entry.kind} [{hooks}] in {entry.trace_s + entry.compile_s:.2f} s "
+        f"(trace {entry.trace_s:.2f} s, XLA {entry.compile_s:.2f} s){why}"
+    )
+
+
+def _stale_cache_text(count: int, names: tuple, kinds: tuple) -> str:
+    return (
+        f"nitro_ipy: {_plural(count, 'cached program')} ({', '.join(sorted(set(kinds)))}) poisoned; "
+        f"redefined: {', '.join(names)}. Handles built from now on recompile against the current code."
+    )
+
+
+def _stale_handle_text(names: tuple, kinds: tuple, handle=None) -> str:
+    return (
+        f"! this handle's compiled programs had dependency methods redefined: {', '.join(names)} "
+        f"({', '.join(sorted(set(kinds)))}). It keeps running the programs it was built with; to use the "
+        f"current code, rebuild it: `n = n.rebuild()`"
+    )
+
+
+def _disk_edit_text(names: tuple) -> str:
+    return (
+        f"nitro_ipy: edited on disk, not loaded yet: {', '.join(names)}. The running code is unchanged; "
+        f"`importlib.reload` the module (or use `%autoreload 2`) to pick the edit up."
+    )
+
+
+def _recompile_loop_text(program: str, why: str) -> str:
+    return (
+        f"nitro_ipy: recompile loop: the `{program}` program compiled again after step 1 ({why}). "
+        f"Something in its key moves every step; every step pays a compile. Usual causes: a GraphConst "
+        f"field rebuilt with a new value, an optimizer state whose shape or dtype changes, batch shapes "
+        f"that vary."
+    )
+
+
+def _epoch_text(record: dict) -> str:
+    parts = [f"epoch {record['epoch']}"]
+    for k, v in record.items():
+        if k != "epoch" and isinstance(v, float):
+            parts.append(f"{k} {v:.4g}")
+    return "nitro_ipy: " + " | ".join(parts)
+
+
+TEXT: dict[Kind, Callable[..., str]] = {
+    Kind.COMPILE: _compile_text,
+    Kind.STALE_CACHE: _stale_cache_text,
+    Kind.STALE_HANDLE: _stale_handle_text,
+    Kind.DISK_EDIT: _disk_edit_text,
+    Kind.RECOMPILE_LOOP: _recompile_loop_text,
+    Kind.EPOCH: _epoch_text,
+}
+
+
+def message(kind: Kind, **data) -> Message:
+    """The message of `kind` about `data`, its text composed by the kind's builder."""
+    kind = Kind(kind)
+    return Message(kind, TEXT[kind](**data), data)
+
+
+def print_sink(msg: Message) -> None:
     print(msg.text, file=sys.stdout, flush=True)
 
 
-_sink: Callable[[Message], None] = _print_sink
+_sink: Callable[[Message], None] = print_sink
 
 
-def emit(kind: str, text: str, **data) -> Message:
-    """Send a message to the current sink; a failing sink degrades to plain text, never raises."""
-    msg = Message(kind, text, data)
+def emit(kind: Kind, **data) -> Message:
+    """Compose the message and send it to the current sink; a failing sink degrades to plain text, never
+    raises."""
+    msg = message(kind, **data)
     try:
         _sink(msg)
     except Exception:
-        _print_sink(msg)
+        print_sink(msg)
     return msg
 
 
-def set_sink(sink: Callable[[Message], None] | None) -> Callable[[Message], None]:
-    """Install `sink` (None restores plain text); returns the previous one."""
+def sink() -> Callable[[Message], None]:
+    """The sink messages go to now."""
+    return _sink
+
+
+def set_sink(new: Callable[[Message], None] | None) -> Callable[[Message], None]:
+    """Install `new` (None restores plain text); returns the previous one."""
     global _sink
     previous = _sink
-    _sink = sink or _print_sink
+    _sink = new or print_sink
     return previous

@@ -190,17 +190,16 @@ class Panel:
     def attach(self) -> None:
         """Register with the cache's callback lists (idempotent)."""
         if not self._attached:
-            _cache._on_compile.append(self.on_compile)
-            _cache._on_reset.append(self.on_reset)
-            _cache._on_progress.append(self.on_progress)
+            self._unsubscribe = [_cache.subscribe("compile", self.on_compile),
+                                 _cache.subscribe("reset", self.on_reset),
+                                 _cache.subscribe("progress", self.on_progress)]
             self._attached = True
 
     def detach(self) -> None:
         """Unregister from the cache: the panel stops updating (its widgets stay as they are)."""
-        for hooks, fn in ((_cache._on_compile, self.on_compile), (_cache._on_reset, self.on_reset),
-                          (_cache._on_progress, self.on_progress)):
-            while fn in hooks:
-                hooks.remove(fn)
+        for unsubscribe in getattr(self, "_unsubscribe", ()):
+            unsubscribe()
+        self._unsubscribe = []
         self._attached = False
 
     def close(self) -> None:

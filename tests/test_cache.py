@@ -10,7 +10,7 @@ import pytest
 
 import nitro_ipy
 from nitro_ipy import CacheStats, Device, GraphConst, Host, Nitro
-from nitro_ipy import _cache
+from nitro_ipy import _cache, _compile, _explain
 
 
 def _split(n, seed=0):
@@ -205,11 +205,11 @@ def _sig(path, shape, dtype="float32", weak=False, sharding=None):
 def test_diff_args_formats_shape_dtype_and_weak_type():
     old = ("tree", (_sig("batch['x']", (32, 4)), _sig("lr", (), "float32", True)))
     new = ("tree", (_sig("batch['x']", (32, 4), "int32"), _sig("lr", (), "float32", False)))
-    assert _cache._diff_args(old, new) == [
+    assert _explain.diff_args(old, new) == [
         "argument `batch['x']` dtype: float32 -> int32",
         "argument `lr` weak_type: True -> False",
     ]
-    assert _cache._diff_args(old, ("other tree", old[1])) == ["argument structure: tree -> other tree"]
+    assert _explain.diff_args(old, ("other tree", old[1])) == ["argument structure: tree -> other tree"]
 
 
 def test_arg_signature_labels_positional_arguments():
@@ -291,7 +291,7 @@ class _Spy:
 def test_compile_leaves_out_only_the_options_this_xla_does_not_know():
     spy = _Spy(jax.jit(lambda x: x * 2.0).lower(jnp.ones(3)))
     options = {"nitro_no_such_option": True, "xla_backend_optimization_level": 1}
-    compiled, used = _cache._compile(spy, dict(options))
+    compiled, used = _compile.xla_compile(spy, dict(options))
     np.testing.assert_allclose(compiled(jnp.ones(3)), 2.0)
     assert spy.calls == [options, {"xla_backend_optimization_level": 1}]
     assert used == {"xla_backend_optimization_level": 1}
@@ -309,25 +309,25 @@ def _jaxpr(fn, *shapes):
 def test_a_program_whose_multiplies_are_all_narrow_compiles_without_ynnpack():
     # a wide batch is fine: each multiply has at most one dimension above NARROW_DOT (64)
     narrow = _jaxpr(lambda x, w: jnp.tanh(x @ w) @ w.T, (512, 64), (64, 64))
-    assert _cache.program_options(narrow) == NO_YNN
-    assert _cache.program_options(narrow, {"xla_backend_optimization_level": 1}) == {
+    assert _compile.program_options(narrow) == NO_YNN
+    assert _compile.program_options(narrow, {"xla_backend_optimization_level": 1}) == {
         **NO_YNN, "xla_backend_optimization_level": 1}
     mine = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
-    assert _cache.program_options(narrow, mine) == mine  # options given explicitly win
+    assert _compile.program_options(narrow, mine) == mine  # options given explicitly win
 
 
 def test_one_wide_multiply_anywhere_keeps_ynnpack():
     wide = lambda x, w: x @ w  # [8, 128] x [128, 128]: rows 8, columns 128, contracted 128
-    assert _cache.program_options(_jaxpr(wide, (8, 128), (128, 128))) == {}
-    assert _cache.program_options(_jaxpr(wide, (8, 128), (128, 64))) == NO_YNN  # only 128 is above 64
+    assert _compile.program_options(_jaxpr(wide, (8, 128), (128, 128))) == {}
+    assert _compile.program_options(_jaxpr(wide, (8, 128), (128, 64))) == NO_YNN  # only 128 is above 64
 
     def nested(w):  # the wide multiply sits in a jit inside a scan inside a grad
         body = lambda c, _: (c + jax.jit(wide)(jnp.ones((8, 128)), w).sum(), None)
         return jax.lax.scan(body, 0.0, None, length=2)[0]
 
-    assert _cache.program_options(_jaxpr(jax.grad(nested), (128, 128))) == {}
-    assert _cache.program_options(_jaxpr(jax.grad(nested), (128, 32))) == NO_YNN
-    assert _cache.program_options(_jaxpr(lambda x: jnp.tanh(x) * 2.0, (256, 256))) == {}  # no multiply
+    assert _compile.program_options(_jaxpr(jax.grad(nested), (128, 128))) == {}
+    assert _compile.program_options(_jaxpr(jax.grad(nested), (128, 32))) == NO_YNN
+    assert _compile.program_options(_jaxpr(lambda x: jnp.tanh(x) * 2.0, (256, 256))) == {}  # no multiply
 
 
 def test_handle_programs_record_the_options_they_were_compiled_with():

@@ -140,7 +140,7 @@ def test_an_edit_and_a_call_in_the_same_cell_are_seen(trained, capsys):
 
 
 def test_terminal_messages_stay_plain_text(loaded):
-    assert _report._sink is _report._print_sink
+    assert _report.sink() is _report.print_sink
 
 
 def test_watcher_follows_user_module_files(loaded, tmp_path, monkeypatch):
@@ -274,19 +274,19 @@ def test_widget_kernel_installs_the_rich_sink_and_unload_restores(shell, monkeyp
     from nitro_ipy._widgets import RichSink
 
     _widget_kernel(monkeypatch)
-    previous = _report._sink
+    previous = _report.sink()
     shell.run_line_magic("load_ext", "nitro_ipy")
-    assert isinstance(_report._sink, RichSink) and _report._sink.previous is previous
+    assert isinstance(_report.sink(), RichSink) and _report.sink().previous is previous
     shell.run_line_magic("reload_ext", "nitro_ipy")
-    assert isinstance(_report._sink, RichSink) and _report._sink.previous is previous
+    assert isinstance(_report.sink(), RichSink) and _report.sink().previous is previous
     shell.run_line_magic("unload_ext", "nitro_ipy")
-    assert _report._sink is previous
+    assert _report.sink() is previous
 
 
 def test_stale_messages_render_as_widgets(trained, monkeypatch, capsys):
     from nitro_ipy._widgets import RichSink
 
-    sink = RichSink(trained, _report._sink)
+    sink = RichSink(trained, _report.sink())
     monkeypatch.setattr(_report, "_sink", sink)
     _run(trained, EDIT)
     _run(trained, "records = n.train()")
@@ -313,7 +313,7 @@ def test_stale_messages_render_as_widgets(trained, monkeypatch, capsys):
 def test_rebuild_button_rebinds_every_name(trained, monkeypatch, capsys):
     from nitro_ipy._widgets import RichSink
 
-    sink = RichSink(trained, _report._sink)
+    sink = RichSink(trained, _report.sink())
     monkeypatch.setattr(_report, "_sink", sink)
     _run(trained, "n_alias = n; runs = [n]; _ = n; _7 = n")
     _run(trained, EDIT + "n.train()")
@@ -340,7 +340,7 @@ def test_rebuild_button_rebinds_every_name(trained, monkeypatch, capsys):
 def test_rebuild_button_with_no_name_left_rebuilds_nothing(trained, monkeypatch):
     from nitro_ipy._widgets import RichSink
 
-    sink = RichSink(trained, _report._sink)
+    sink = RichSink(trained, _report.sink())
     monkeypatch.setattr(_report, "_sink", sink)
     _run(trained, EDIT + "n.train()")
     _run(trained, "n = None")
@@ -355,7 +355,7 @@ def test_rebuild_button_with_no_name_left_rebuilds_nothing(trained, monkeypatch)
 def test_rebuild_failure_is_shown_in_the_widget(trained, monkeypatch):
     from nitro_ipy._widgets import RichSink
 
-    sink = RichSink(trained, _report._sink)
+    sink = RichSink(trained, _report.sink())
     monkeypatch.setattr(_report, "_sink", sink)
     _run(trained, EDIT + "n.train()")
     _run(trained, "del Tiny.forward")  # the live class lost a required hook: rebuild refuses
@@ -402,7 +402,7 @@ def test_missing_ipywidgets_degrades_to_text_with_one_hint(shell, monkeypatch, c
     monkeypatch.setattr(_extension, "_hinted", False)
     shell.run_line_magic("load_ext", "nitro_ipy")
     shell.run_line_magic("reload_ext", "nitro_ipy")
-    assert _report._sink is _report._print_sink
+    assert _report.sink() is _report.print_sink
     assert capsys.readouterr().out == _extension._NO_WIDGETS + "\n"  # once, not once per load
     shell.run_line_magic("nitro_panel", "")
     assert capsys.readouterr().out.splitlines() == [
@@ -443,8 +443,8 @@ def test_panel_shows_the_cache_and_the_latest_compile(trained):
         assert panel.hits.value == "0" and panel.latest.value == "none yet"
     finally:
         panel.detach()
-    assert panel.on_compile not in _cache._on_compile and panel.on_reset not in _cache._on_reset
-    assert panel.on_progress not in _cache._on_progress
+    assert panel.on_compile not in _cache.subscribers("compile") and panel.on_reset not in _cache.subscribers("reset")
+    assert panel.on_progress not in _cache.subscribers("progress")
 
 
 def test_panel_updates_are_throttled_and_flushed(trained):
@@ -455,7 +455,7 @@ def test_panel_updates_are_throttled_and_flushed(trained):
     try:
         assert panel.refreshes == 0
         _run(trained, EDIT + "n = n.rebuild(); n.train()")
-        for fn in list(_cache._on_progress):
+        for fn in _cache.subscribers("progress"):
             fn()  # what the handle's step loop calls at its sync points
         assert panel.refreshes == 0 and panel.misses.value == "3" and panel._dirty
         panel.flush()
@@ -501,10 +501,10 @@ def test_nitro_panel_in_a_widget_kernel(shell, monkeypatch, capsys):
     shell.run_line_magic("nitro_panel", "")
     shell.run_line_magic("nitro_panel", "")  # shown twice: one panel, two views
     panel = _extension._loaded.panel
-    assert _report._sink.panel is panel and panel.on_compile in _cache._on_compile
+    assert _report.sink().panel is panel and panel.on_compile in _cache.subscribers("compile")
     assert capsys.readouterr().out.splitlines() == [panel.text()] * 2
     shell.run_line_magic("unload_ext", "nitro_ipy")
-    assert panel.on_compile not in _cache._on_compile and panel.on_progress not in _cache._on_progress
+    assert panel.on_compile not in _cache.subscribers("compile") and panel.on_progress not in _cache.subscribers("progress")
     assert panel.widget.comm is None and panel.hits.comm is None  # closed: its views disappear
 
 

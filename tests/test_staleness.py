@@ -279,9 +279,9 @@ def test_no_scan_without_a_bump():
     # The memo: after a scan, an entry point with no bump since does no re-resolution at all.
     nitro_ipy.bump_world()
     _cache.ensure_fresh()
-    scanned = _cache._state.scanned_world
+    scanned = _cache.scanned_world()
     _cache.ensure_fresh()
-    assert _cache._state.scanned_world == scanned == nitro_ipy.world()
+    assert _cache.scanned_world() == scanned == nitro_ipy.world()
 
 
 def test_running_train_is_pinned_to_the_code_it_started_with(ip, capsys):

@@ -1,0 +1,124 @@
+"""Compiling one program: trace (recording its dependency closure), lower, XLA-compile with the option
+policy below, time each part, and hand the entry to the cache.
+
+The cache (`_cache.py`) owns keys, entries and counters; this module owns how a program is built.
+"""
+
+import math
+import time
+from typing import Callable
+
+import jax
+
+from . import _cache
+from ._compat import (
+    FUSION_EMITTERS_OPTION,
+    OPTIMIZATION_LEVEL_OPTION,
+    YNN_FUSION_OPTION,
+    jaxpr_eqns,
+    unknown_compile_option,
+)
+from ._explain import explain_miss
+
+# XLA:CPU hands matrix multiplies to YNNPACK, which builds a runtime for each multiply the first time a new
+# program runs: about 1 ms apiece here, 0.2 s on the first step of the 120-layer MLP's gradient program,
+# paid again after every edit. For a multiply with at most one dimension above `NARROW_DOT` (every layer
+# of a narrow MLP, at any batch size) XLA's own kernels run as fast (benchmarks/profile_handle.py `dots`),
+# so a program whose multiplies are all that narrow is compiled without YNNPACK. Wider multiplies keep it:
+# for a [8, 256] x [256, 256] it runs 1.3-1.6x faster.
+NARROW_DOT = 64
+WITHOUT_YNN = {YNN_FUSION_OPTION: ""}
+
+# The optimizer program unravels the flat buffers into one slice per parameter array. XLA:CPU's fusion
+# emitters compile each slice as its own LLVM module (35-150 ms apiece here: 4-6 s at 242 arrays); the
+# classic emitters at optimization level 1 compile the same program in about a quarter of that and run it
+# faster (benchmarks/profile_handle.py `optflags`). Only this program gets them: the gradient program,
+# which every edit recompiles, compiles slower with them. An XLA without one of them (jax 0.12 dropped the
+# fusion-emitter switch) compiles with the rest: level 1 alone takes 2.9 s there instead of 4.5 s.
+OPTIMIZER_OPTIONS = {FUSION_EMITTERS_OPTION: False, OPTIMIZATION_LEVEL_OPTION: 1}
+
+
+def compile_program(
+    key,
+    fn: Callable,
+    args: tuple,
+    *,
+    donate_argnums: tuple = (),
+    info: dict | None = None,
+    record: Callable | None = None,
+    compiler_options: dict | None = None,
+):
+    """Trace/lower/compile `fn` at `args` (JAX AOT), time it, and store the entry (a miss).
+
+    **Arguments:**
+    - `key`: the program's `_cache.Key`.
+    - `fn`, `args`: what to trace, and the arguments it is called with.
+    - `donate_argnums`: arguments whose buffers the program may reuse for its outputs.
+    - `info`: what explains a later miss next to this entry (GraphConst reprs).
+    - `record`: a context-manager factory that records the trace's dependency closure; its result (the
+      `closure` attribute of the manager) lands on the entry.
+    - `compiler_options`: XLA options, on top of `program_options`' policy.
+
+    **Returns:** the stored `_cache.Entry`.
+    """
+    why = explain_miss(key, info or {}, _cache.live_entries() + _cache.poisoned_entries())
+    jitted = jax.jit(fn, donate_argnums=donate_argnums)
+    t0 = time.perf_counter()
+    if record is not None:
+        # Only the trace runs user Python; lowering stays outside the recorder (and off a profiler hook).
+        with record() as recorder:
+            traced = jitted.trace(*args)
+            recorder.traced(traced.jaxpr, fn)
+        closure = recorder.closure
+    else:
+        traced, closure = jitted.trace(*args), None
+    lowered = traced.lower()
+    t1 = time.perf_counter()
+    compiled, used = xla_compile(lowered, program_options(traced.jaxpr, compiler_options))
+    t2 = time.perf_counter()
+    entry = _cache.Entry(key, compiled, t1 - t0, t2 - t1, closure, info or {}, why, compiler_options=used)
+    # A trace that raised (a bug in a hook) stored nothing, so it counts nothing: misses == entries holds.
+    _cache.store(entry)
+    return entry
+
+
+def program_options(jaxpr, options: dict | None = None) -> dict:
+    """The compiler options for a program traced to `jaxpr`: `options`, plus XLA's own kernels for matrix
+    multiplies where every one is narrow (see `NARROW_DOT`). Options given explicitly win."""
+    out = dict(options or {})
+    if jax.default_backend() == "cpu" and _all_dots_narrow(jaxpr):
+        out = {**WITHOUT_YNN, **out}
+    return out
+
+
+def _all_dots_narrow(jaxpr) -> bool:
+    """True when `jaxpr` (sub-jaxprs included) multiplies matrices, and every multiply has at most one of
+    its rows, columns and contracted size above `NARROW_DOT`."""
+    dots = 0
+    for eqn in jaxpr_eqns([jaxpr]):
+        if eqn.primitive.name == "dot_general":
+            dots += 1
+            (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+            lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+            rows = math.prod(d for i, d in enumerate(lhs) if i not in lc and i not in lb)
+            cols = math.prod(d for i, d in enumerate(rhs) if i not in rc and i not in rb)
+            inner = math.prod(lhs[i] for i in lc)
+            if sorted((rows, cols, inner))[1] > NARROW_DOT:
+                return False
+    return dots > 0
+
+
+def xla_compile(lowered, options: dict):
+    """XLA-compile with `options`, leaving out each one this XLA does not know (options come and go
+    between releases: jax 0.12 has no `xla_cpu_use_fusion_emitters`, but keeps the optimization level).
+
+    **Returns:** the executable and the options it was compiled with."""
+    while options:
+        try:
+            return lowered.compile(compiler_options=options), options
+        except Exception as err:
+            unknown = unknown_compile_option(err)
+            if unknown is None or unknown not in options:
+                break  # not an unknown option: compile as usual
+            del options[unknown]
+    return lowered.compile(), {}
