@@ -8,6 +8,7 @@ why a key missed is `_explain.py`.
 """
 
 import dataclasses
+import threading
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -115,9 +116,13 @@ class _State:
         self.scanned_world = -1
         self.disk_reported: set[str] = set()
         self.generation = generation
+        self.compiling: dict[Key, "Claim"] = {}  # keys a thread is compiling now (single flight)
 
 
 _state = _State(0)
+# Guards the counters, the entries and the claims: handles may train, and programs compile, in several
+# threads at once. Re-entrant: a scan poisons, a claim counts a hit, under the same lock.
+_lock = threading.RLock()
 
 
 def cache_stats() -> CacheStats:
@@ -128,9 +133,10 @@ def cache_stats() -> CacheStats:
 def cache_reset() -> None:
     """Empty the compile cache and zero its counters: the escape hatch for anything staleness cannot see."""
     global _state
-    _memo.clear_all()
-    _state = _State(_state.generation + 1)
-    _state.scanned_world = world()
+    with _lock:
+        _memo.clear_all()
+        _state = _State(_state.generation + 1)
+        _state.scanned_world = world()
     publish("reset")
 
 
@@ -182,49 +188,99 @@ def poisoned_entries() -> list[Entry]:
 
 def count_hit(entry: Entry, uses: int = 1) -> None:
     """A handle reusing a program it already resolved counts as a cache hit, once per use."""
-    entry.hits += uses
-    _state.hits += uses
+    with _lock:
+        entry.hits += uses
+        _state.hits += uses
 
 
 def lookup(key: Key) -> Entry | None:
     """The live entry for `key`, counted as a hit, or None (nothing counted)."""
-    entry = _state.entries.get(key)
-    if entry is not None:
-        count_hit(entry)
-    return entry
+    with _lock:
+        entry = _state.entries.get(key)
+        if entry is not None:
+            count_hit(entry)
+        return entry
 
 
-def store(entry: Entry) -> None:
+class Claim:
+    """The right to compile one key: `claim` hands it to the first thread that needs the key; `store`
+    or `release` ends it, and only then do other threads waiting for that key go on."""
+
+    __slots__ = ("key", "state", "done", "entry", "error")
+
+    def __init__(self, key: Key, state):
+        self.key, self.state = key, state
+        self.done = threading.Event()
+        self.entry = self.error = None
+
+
+def claim(key: Key) -> tuple[Entry | None, Claim | None]:
+    """Single-flight compiling: `(entry, None)` when `key` is live (counted as a hit), or was compiled
+    by another thread while this one waited for it (the same); else `(None, claim)`: compile it, then
+    `store(entry, claim)`, or `release(claim, error)` if the compile raised."""
+    while True:
+        with _lock:
+            entry = _state.entries.get(key)
+            if entry is not None:
+                count_hit(entry)
+                return entry, None
+            pending = _state.compiling.get(key)
+            if pending is None:
+                pending = _state.compiling[key] = Claim(key, _state)
+                return None, pending
+        pending.done.wait()
+        if pending.error is not None:
+            raise pending.error  # the same code failed the same way in the thread that compiled it
+
+
+def store(entry: Entry, claimed: Claim | None = None) -> None:
     """Add a newly compiled program: a miss that creates an entry."""
-    _state.misses += 1
-    _state.entries[entry.key] = entry
+    with _lock:
+        state = _state if claimed is None else claimed.state
+        state.misses += 1
+        state.entries[entry.key] = entry
+        if claimed is not None:
+            state.compiling.pop(claimed.key, None)
+            claimed.entry = entry
+            claimed.done.set()
     publish("compile", entry)
+
+
+def release(claimed: Claim, error: BaseException) -> None:
+    """End `claimed` without an entry: the compile raised `error` (nothing is counted)."""
+    with _lock:
+        claimed.state.compiling.pop(claimed.key, None)
+        claimed.error = error
+        claimed.done.set()
 
 
 def discard(key: Key) -> None:
     """Drop the live entry for `key` without counting anything (the next use compiles it again)."""
-    _state.entries.pop(key, None)
+    with _lock:
+        _state.entries.pop(key, None)
 
 
 def poison(entry: Entry, drifted) -> None:
     """Never serve `entry` again; handles that hold it keep running it (fixed point) and are told so."""
-    if entry.poisoned:
-        return
-    entry.poisoned = True
-    entry.drifted = tuple(drifted)
-    if _state.entries.get(entry.key) is entry:
-        del _state.entries[entry.key]
-    _state.poisoned.append(entry)
+    with _lock:
+        if entry.poisoned:
+            return
+        entry.poisoned = True
+        entry.drifted = tuple(drifted)
+        if _state.entries.get(entry.key) is entry:
+            del _state.entries[entry.key]
+        _state.poisoned.append(entry)
 
 
 def revive(entry: Entry) -> None:
     """Serve a poisoned `entry` again (its dependencies are as they were when it was compiled)."""
-    if not entry.poisoned:
-        return
-    entry.poisoned, entry.drifted = False, ()
-    if entry in _state.poisoned:
-        _state.poisoned.remove(entry)
-    _state.entries[entry.key] = entry
+    with _lock:
+        if not entry.poisoned:
+            return
+        entry.poisoned, entry.drifted = False, ()
+        if entry in _state.poisoned:
+            _state.poisoned.remove(entry)
+        _state.entries[entry.key] = entry
 
 
 # ---------------------------------------------------------------- staleness
@@ -245,7 +301,15 @@ def ensure_fresh() -> None:
 
 
 def _scan() -> None:
-    _state.scanned_world = world()
+    with _lock:
+        # The world this scan checks against: a bump while it runs (the watcher's thread) scans again.
+        # It is marked scanned only once the scan finished, so one interrupted (Ctrl-C) runs again.
+        target = world()
+        _scan_entries()
+        _state.scanned_world = target
+
+
+def _scan_entries() -> None:
     memo: dict = {}
     poisoned, names = [], []
     disk: list[str] = []

@@ -10,7 +10,7 @@ from typing import Callable
 
 import jax
 
-from . import _cache
+from . import _cache, _report
 from ._compat import (
     FUSION_EMITTERS_OPTION,
     OPTIMIZATION_LEVEL_OPTION,
@@ -19,6 +19,7 @@ from ._compat import (
     unknown_compile_option,
 )
 from ._explain import explain_miss
+from ._report import Kind
 
 # XLA:CPU hands matrix multiplies to YNNPACK, which builds a runtime for each multiply the first time a new
 # program runs: about 1 ms apiece here, 0.2 s on the first step of the 120-layer MLP's gradient program,
@@ -59,8 +60,24 @@ def compile_program(
       `closure` attribute of the manager) lands on the entry.
     - `compiler_options`: XLA options, on top of `program_options`' policy.
 
-    **Returns:** the stored `_cache.Entry`.
+    **Returns:** the stored `_cache.Entry`; if another thread is compiling the same key, the entry it
+    stores (this thread waits for it: a key is compiled once, and the wait counts a hit).
     """
+    entry, claimed = _cache.claim(key)
+    if claimed is None:
+        return entry
+    try:
+        entry = _build(key, fn, args, donate_argnums, info, record, compiler_options)
+    except BaseException as err:
+        _cache.release(claimed, err)
+        raise
+    # A trace that raised (a bug in a hook) stored nothing, so it counts nothing: misses == entries holds.
+    _cache.store(entry, claimed)
+    _report.emit(Kind.COMPILE, entry=entry)
+    return entry
+
+
+def _build(key, fn, args, donate_argnums, info, record, compiler_options):
     why = explain_miss(key, info or {}, _cache.live_entries() + _cache.poisoned_entries())
     jitted = jax.jit(fn, donate_argnums=donate_argnums)
     t0 = time.perf_counter()
@@ -76,10 +93,7 @@ def compile_program(
     t1 = time.perf_counter()
     compiled, used = xla_compile(lowered, program_options(traced.jaxpr, compiler_options))
     t2 = time.perf_counter()
-    entry = _cache.Entry(key, compiled, t1 - t0, t2 - t1, closure, info or {}, why, compiler_options=used)
-    # A trace that raised (a bug in a hook) stored nothing, so it counts nothing: misses == entries holds.
-    _cache.store(entry)
-    return entry
+    return _cache.Entry(key, compiled, t1 - t0, t2 - t1, closure, info or {}, why, compiler_options=used)
 
 
 def program_options(jaxpr, options: dict | None = None) -> dict:

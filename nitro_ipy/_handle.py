@@ -289,7 +289,6 @@ class Nitro:
         if entry is None:
             entry = _compile.compile_program(key, build(), args, donate_argnums=donate, info=self._info,
                                            record=_closure.record, compiler_options=compiler_options)
-            _report.emit(Kind.COMPILE, entry=entry)
             first = self._kinds_seen.get(kind)
             if first is not None and first.hooks == key.hooks and kind not in self._loops_reported:
                 self._report_loop(kind, first, entry)
