@@ -94,6 +94,8 @@ class Entry:
     poisoned: bool = False
     drifted: tuple = ()  # names of the functions/values whose drift poisoned it
     compiler_options: dict = dataclasses.field(default_factory=dict)  # the XLA options it was compiled with
+    operations: int = 0  # equations of its jaxpr, sub-jaxprs included: what a slow compile is made of
+    constants: tuple = ()  # (nbytes, shape, dtype, origin) of large constants baked in (`_compile`)
 
     @property
     def kind(self) -> str:

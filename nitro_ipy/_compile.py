@@ -5,10 +5,12 @@ The cache (`_cache.py`) owns keys, entries and counters; this module owns how a 
 """
 
 import math
+import sys
 import time
 from typing import Callable
 
 import jax
+import numpy as np
 
 from . import _cache, _report
 from ._compat import (
@@ -74,10 +76,14 @@ def compile_program(
     # A trace that raised (a bug in a hook) stored nothing, so it counts nothing: misses == entries holds.
     _cache.store(entry, claimed)
     _report.emit(Kind.COMPILE, entry=entry)
+    for nbytes, shape, dtype, origin in entry.constants:
+        _report.emit(Kind.LARGE_CONSTANT, program=entry.kind, nbytes=nbytes, shape=shape, dtype=dtype,
+                     origin=origin)
     return entry
 
 
 def _build(key, fn, args, donate_argnums, info, record, compiler_options):
+    """Trace (recording), lower and XLA-compile: the `Entry`, not yet stored."""
     why = explain_miss(key, info or {}, _cache.live_entries() + _cache.poisoned_entries())
     jitted = jax.jit(fn, donate_argnums=donate_argnums)
     t0 = time.perf_counter()
@@ -93,7 +99,58 @@ def _build(key, fn, args, donate_argnums, info, record, compiler_options):
     t1 = time.perf_counter()
     compiled, used = xla_compile(lowered, program_options(traced.jaxpr, compiler_options))
     t2 = time.perf_counter()
-    return _cache.Entry(key, compiled, t1 - t0, t2 - t1, closure, info or {}, why, compiler_options=used)
+    return _cache.Entry(
+        key, compiled, t1 - t0, t2 - t1, closure, info or {}, why, compiler_options=used,
+        operations=sum(1 for _ in jaxpr_eqns([traced.jaxpr])),
+        constants=large_constants(traced.jaxpr, closure, (info or {}).get("sources")),
+    )
+
+
+# A constant at least this large baked into a program is said at compile time: it is part of the program
+# (copied into it at every compile, kept alive with it), and usually a dataset captured by accident.
+LARGE_CONSTANT_BYTES = 1 << 20
+
+
+def large_constants(jaxpr, closure=None, sources: dict | None = None) -> tuple:
+    """`(nbytes, shape, dtype, origin)` of each constant of at least `LARGE_CONSTANT_BYTES` that the
+    traced program closes over, largest first. `origin` names where it came from when it can be found:
+    a global the trace read (`__main__.TABLE`, one level into a dict, list or tuple global), or one of
+    `sources` (`{label: value}`, such as the GraphConst fields); None otherwise."""
+    big = [c for c in getattr(jaxpr, "consts", ()) if getattr(c, "nbytes", 0) >= LARGE_CONSTANT_BYTES]
+    if not big:
+        return ()
+    candidates = list((sources or {}).items()) + _global_arrays(closure)
+    out = []
+    for const in sorted(big, key=lambda c: -c.nbytes):
+        origin = next((name for name, value in candidates if value is const), None)  # a device array
+        if origin is None:  # a NumPy array is copied into the trace: recognise it by content
+            origin = next((name for name, value in candidates if _same_array(const, value)), None)
+        out.append((int(const.nbytes), tuple(const.shape), str(const.dtype), origin))
+    return tuple(out)
+
+
+def _global_arrays(closure) -> list:
+    """`(qualified name, array)` for the arrays among the globals `closure` recorded, one level deep."""
+    out = []
+    for dep in getattr(closure, "values", ()):
+        name = getattr(dep, "name", None)
+        module = sys.modules.get(getattr(dep, "module", ""))
+        if name is None or module is None:
+            continue
+        value = vars(module).get(name)
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+        out.append((dep.qualified, value))
+        out.extend((f"{dep.qualified}[{k!r}]", v) for k, v in items)
+    return [(n, v) for n, v in out if hasattr(v, "shape") and hasattr(v, "dtype")]
+
+
+def _same_array(const, value) -> bool:
+    if getattr(value, "size", -1) != const.size or str(getattr(value, "dtype", "")) != str(const.dtype):
+        return False
+    value = np.asarray(value)
+    if value.shape == const.shape and np.array_equal(value, const):
+        return True
+    return value.ndim == 2 and value.T.shape == const.shape and np.array_equal(value.T, const)
 
 
 def program_options(jaxpr, options: dict | None = None) -> dict:

@@ -21,6 +21,7 @@ class Kind(str, enum.Enum):
     DISK_EDIT = "disk-edit"  # a file changed on disk but was not reloaded: names
     RECOMPILE_LOOP = "recompile-loop"  # a program kind compiled again after step 1: program, why
     EPOCH = "epoch"  # an epoch ended: record
+    LARGE_CONSTANT = "large-constant"  # a program bakes in a large array: program, nbytes, shape, dtype, origin
 
     def __str__(self):
         return self.value
@@ -44,12 +45,35 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'s' if n != 1 else ''}"
 
 
+# A compile at least this slow says how many operations its program has: the size of the graph is what
+# a slow compile is made of (docs/recompilation.md, "When a compile is genuinely slow").
+SLOW_COMPILE_S = 2.0
+
+
 def _compile_text(entry) -> str:
     why = f" ({entry.why})" if entry.why else ""
     hooks = ", ".join(entry.hook_names)
+    seconds = entry.trace_s + entry.compile_s
+    size = f", {entry.operations:,} operations" if seconds >= SLOW_COMPILE_S and entry.operations else ""
     return (
-        f"nitro_ipy: compiled {entry.kind} [{hooks}] in {entry.trace_s + entry.compile_s:.2f} s "
-        f"(trace {entry.trace_s:.2f} s, XLA {entry.compile_s:.2f} s){why}"
+        f"nitro_ipy: compiled {entry.kind} [{hooks}] in {seconds:.2f} s "
+        f"(trace {entry.trace_s:.2f} s, XLA {entry.compile_s:.2f} s{size}){why}"
+    )
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+
+
+def _large_constant_text(program: str, nbytes: int, shape: tuple, dtype: str, origin: str | None) -> str:
+    where = f" (`{origin}`)" if origin else ""
+    return (
+        f"nitro_ipy: the `{program}` program bakes in a {_size(nbytes)} constant {dtype}{list(shape)}{where}: "
+        f"it is copied into the program at every compile and kept alive with it. Pass it as data (a "
+        f"batch field of a split) or as a `Device` field, so compiled code receives it as an input."
     )
 
 
@@ -99,6 +123,7 @@ TEXT: dict[Kind, Callable[..., str]] = {
     Kind.DISK_EDIT: _disk_edit_text,
     Kind.RECOMPILE_LOOP: _recompile_loop_text,
     Kind.EPOCH: _epoch_text,
+    Kind.LARGE_CONSTANT: _large_constant_text,
 }
 
 
