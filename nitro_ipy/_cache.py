@@ -15,6 +15,8 @@ import jax
 import numpy as np
 
 from . import _memo, _report
+from ._compat import evict_traces
+from ._fingerprint import is_library_file
 from ._report import Kind
 from ._world import world
 
@@ -302,6 +304,21 @@ def ensure_fresh() -> None:
     _scan()
 
 
+def _wraps_user_code(fn) -> bool:
+    """True for a user function, or a library wrapper of one (`jax.checkpoint(f)`: `__wrapped__` chain)."""
+    try:
+        for _ in range(16):
+            code = getattr(fn, "__code__", None)
+            if code is not None and not is_library_file(code.co_filename):
+                return True
+            fn = getattr(fn, "__wrapped__", None)
+            if fn is None:
+                return False
+    except Exception:  # an object whose attributes raise: evicting its trace is the safe side
+        return True
+    return False
+
+
 def _scan() -> None:
     with _lock:
         # The world this scan checks against: a bump while it runs (the watcher's thread) scans again.
@@ -332,8 +349,10 @@ def _scan_entries() -> None:
     _state.disk_reported.update(disk)
     if poisoned:
         # JAX caches the traces of the user's own inner `jax.jit` / `checkpoint` functions by identity;
-        # a recompile would otherwise rebuild around the old inner trace of a helper that changed.
-        jax.clear_caches()
+        # a recompile would otherwise rebuild around the old inner trace of a helper that changed. Only
+        # user functions' traces go: the user's other compiled `jax.jit` functions keep theirs.
+        if not evict_traces(_wraps_user_code):
+            jax.clear_caches()
         _report.emit(Kind.STALE_CACHE, count=len(poisoned), names=tuple(names),
                      kinds=tuple(e.kind for e in poisoned))
     if disk:

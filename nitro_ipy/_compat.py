@@ -7,6 +7,7 @@ is missing, and says in its docstring what the caller falls back to.
 
 import functools
 import re
+import weakref
 
 import jax
 
@@ -107,3 +108,48 @@ OPTIMIZATION_LEVEL_OPTION = "xla_backend_optimization_level"
 
 def default_backend() -> str:
     return jax.default_backend()
+
+
+def _registered_caches() -> list:
+    """JAX's registry of its memo caches (`jax._src.util._caches`), or None where it moved."""
+    try:
+        from jax._src import util
+    except Exception:
+        return None
+    caches = getattr(util, "_caches", None)
+    return None if caches is None else list(caches.items())
+
+
+# Trace caches keyed on a `lu.WrappedFun` (no weak key to evict by): cleared whole. They hold traces only,
+# never an executable, so clearing one costs a re-trace of what uses it next, not a compile.
+_WRAPPED_FUN_TRACE_CACHES = ("_cached_trace_to_jaxpr",)
+
+
+def evict_traces(is_user) -> bool:
+    """Drop JAX's cached *traces* of the functions `is_user(fn)` accepts (an inner `jax.jit`, a
+    `lax.scan` body, a `jax.checkpoint`), leaving every other cache, and every compiled executable of
+    the user's own `jax.jit` functions, in place.
+
+    The weak-keyed trace caches (`WeakrefLRUCache`: key[0] is a weak reference to the traced function)
+    are evicted per function; the few keyed on wrapped functions are cleared whole.
+
+    **Returns:** False when JAX's registry is not where this expects it: call `jax.clear_caches()` then.
+    """
+    caches = _registered_caches()
+    if caches is None:
+        return False
+    for cache, name in caches:
+        keys = getattr(cache, "cache_keys", None)
+        evict = getattr(cache, "evict_weakref", None)
+        if keys is not None and evict is not None:
+            users = {}
+            for key in keys():
+                ref = key[0] if isinstance(key, tuple) and key else None
+                fn = ref() if isinstance(ref, weakref.ref) else None
+                if fn is not None and id(fn) not in users and is_user(fn):
+                    users[id(fn)] = fn
+            for fn in users.values():
+                evict(fn)
+        elif any(part in name for part in _WRAPPED_FUN_TRACE_CACHES):
+            cache.cache_clear()
+    return True

@@ -306,3 +306,46 @@ def test_running_train_is_pinned_to_the_code_it_started_with(ip, capsys):
     assert STALE_LINE not in out
     out = run(ip, capsys, "n_pinned.train()")  # the next entry point sees the edit
     assert f"{STALE_LINE}: __main__.act (grad)" in out, out
+
+
+def test_poisoning_keeps_the_compiled_programs_of_the_users_other_jax_jit_functions(ip, capsys):
+    # Only the traces of user functions are dropped after an edit: jax.clear_caches() would also throw
+    # away the executables of every unrelated jitted function in the session.
+    ip.run_cell("import jax, jax.numpy as jnp\nother = jax.jit(lambda v: v * 2.0 + 1.0)\nother(jnp.ones(3))")
+    defs = """
+    def inner(z):
+        return z * 1.0
+
+    @jax.jit
+    def act(z):
+        return inner(z)
+    """
+    edit = """
+    def inner(z):
+        return z * 3.0
+    """
+    scenario(ip, capsys, defs, 'act(x @ params["w"])', edit, ["__main__.inner"])
+    assert ip.user_ns["other"]._cache_size() == 1
+
+
+@pytest.mark.parametrize("wrapper", [
+    "jax.checkpoint(lambda z: inner(z))",
+    "lambda z: jax.lax.scan(lambda c, _: (inner(c), None), z, None, length=1)[0]",
+    "lambda z: jax.lax.cond(True, inner, jnp.negative, z)",
+    "jax.vmap(lambda z: inner(z))",
+    "jax.jit(jax.checkpoint(lambda z: inner(z)))",
+])
+def test_helper_below_a_cached_transformation(ip, capsys, wrapper):
+    # Each transformation caches its trace of the wrapped user function by identity; the edit must reach
+    # the rebuilt handle through every one of them, while the other handle's old program stays.
+    defs = f"""
+    def inner(z):
+        return z * 1.0
+
+    act = {wrapper}
+    """
+    edit = """
+    def inner(z):
+        return z * 3.0
+    """
+    scenario(ip, capsys, defs, 'act(x @ params["w"])', edit, ["__main__.inner"])
