@@ -69,14 +69,14 @@ __all__ = [
 
 
 def load_ipython_extension(ip):
-    """`%load_ext nitro_ipy`: the cell hook, the magics and the file watcher."""
+    """`%load_ext nitro_ipy`: the cell callbacks, the magics, the file watcher and the rich messages."""
     from ._extension import load
 
     load(ip)
 
 
 def unload_ipython_extension(ip):
-    """`%unload_ext nitro_ipy`: removes every callback and stops the file watcher."""
+    """`%unload_ext nitro_ipy`: removes every cell callback and the magics, and stops the file watcher."""
     from ._extension import unload
 
     unload(ip)

@@ -16,14 +16,17 @@ import ipywidgets as widgets
 from IPython.display import display
 
 from . import _cache, _report
+from ._report import Kind
 
 # The message kinds shown as widgets, and the box style (colour) of each. Others stay plain text lines.
 STYLES = {
-    "stale-cache": "info",  # informational: the poisoning is what makes the next handle see the edit
-    "stale-handle": "warning",  # the running handle holds a poisoned program: rebuild it
-    "disk-edit": "warning",
-    "recompile-loop": "warning",
+    Kind.STALE_CACHE: "info",  # informational: the poisoning is what makes the next handle see the edit
+    Kind.STALE_HANDLE: "warning",  # the running handle holds a poisoned program: rebuild it
+    Kind.DISK_EDIT: "warning",
+    Kind.RECOMPILE_LOOP: "warning",
 }
+# The kinds after which the panel's figures may have moved (a disk edit changes none of them).
+_REFRESH_ON = frozenset({Kind.COMPILE, Kind.EPOCH, Kind.RECOMPILE_LOOP, Kind.STALE_CACHE, Kind.STALE_HANDLE})
 # Colours of the text/html fallback (nbconvert, a front end without the widget manager): JupyterLab's own
 # info and warning colours, so the fallback looks like the widget it stands for.
 _COLORS = {"info": ("#0288d1", "#e1f5fe"), "warning": ("#f57c00", "#fff3e0")}
@@ -50,14 +53,19 @@ def message_html(msg: _report.Message) -> str:
 
 
 class MessageView:
-    """A message as a widget: an HTML body in a box styled 'info' or 'warning'. A "stale-handle" message
-    also carries the **Rebuild handle** button and an `Output` widget where the rebuild reports.
+    """A message as a widget: an HTML body in a box styled 'info' or 'warning'. A `Kind.STALE_HANDLE`
+    message also carries the **Rebuild handle** button and an `Output` widget where the rebuild reports.
 
     Displayed, it carries `text/plain` (the message's own text line) and `text/html` next to the widget
     view, so a console, nbconvert or a plain-text reader gets the same words.
     """
 
     def __init__(self, msg: _report.Message, user_ns: dict | None = None):
+        """**Arguments:**
+
+        - `msg`: the message; its `data["handle"]`, when there is one, is what the button rebuilds.
+        - `user_ns`: the namespace whose names the rebuild points at the new handle.
+        """
         handle = msg.data.get("handle")
         # The widget lives as long as the notebook shows it; a strong reference would keep the stale
         # handle's parameters and optimizer state (device memory) alive that long too.
@@ -67,7 +75,7 @@ class MessageView:
         self.body = widgets.HTML(value=_code_html(msg.text))
         children = [self.body]
         self.button = self.output = None
-        if msg.kind == "stale-handle" and handle is not None:
+        if msg.kind == Kind.STALE_HANDLE and handle is not None:
             self.button = widgets.Button(
                 description=REBUILD,
                 button_style="warning",
@@ -123,17 +131,30 @@ class MessageView:
 
 
 def rebind_names(user_ns: dict, obj) -> list[str]:
-    """The user's names bound to `obj` (by identity), leaving out IPython's output-history names."""
+    """The user's names bound to `obj`, leaving out IPython's output-history names.
+
+    **Arguments:**
+
+    - `user_ns`: the namespace to search.
+    - `obj`: the object, compared by identity.
+
+    **Returns:** the names, in the namespace's order.
+    """
     return [k for k, v in list(user_ns.items()) if v is obj and not _OUTPUT_NAMES.fullmatch(k)]
 
 
 class RichSink:
-    """The `_report` sink in a widget-capable kernel: stale/disk-edit/recompile-loop messages become
-    `MessageView` widgets, everything else (compile and epoch lines) goes to the previous sink as text.
-    It also tells the live panel, when one is shown, that something happened.
+    """The `_report` sink in a widget-capable kernel: messages of a kind in `STYLES` become `MessageView`
+    widgets, everything else (compile and epoch lines) goes to the previous sink as text. It also tells
+    the live panel, when one is shown, that something happened.
     """
 
     def __init__(self, shell, previous):
+        """**Arguments:**
+
+        - `shell`: the kernel's shell, whose namespace a **Rebuild handle** button rebinds.
+        - `previous`: the sink that messages shown as text go to.
+        """
         self.shell = shell
         self.previous = previous
         self.panel: "Panel | None" = None
@@ -159,13 +180,14 @@ class RichSink:
 class Panel:
     """The live panel: hits, misses, entries, poisoned and the latest compile (kind, seconds, why).
 
-    Fed by the cache's `_on_compile`, `_on_reset` and `_on_progress` callbacks, the message sink, and a
-    flush after every cell. Refreshes are throttled to one per `min_interval` seconds; a refresh asked for
+    Fed by its subscribers to the cache's "compile", "reset" and "progress" events, the message sink, and
+    a flush after every cell. Refreshes are throttled to one per `min_interval` seconds; a refresh asked for
     sooner (or off the main thread) is deferred to the next event or flush. Trait updates are batched with
     `hold_sync()`, and a value that did not change is not sent.
     """
 
     def __init__(self, min_interval: float = 0.25):
+        """`min_interval`: the fewest seconds between two refreshes sent to the front end."""
         self.min_interval = min_interval
         live = _cache.live_entries()
         self.latest_entry = live[-1] if live else None  # entries are kept in compile order
@@ -182,25 +204,23 @@ class Panel:
         self.refreshes = 0  # how many refreshes were sent: the throttle is tested by counting these
         self._last = time.monotonic()
         self._dirty = False
-        self._attached = False
+        self._unsubscribe = []  # one function per cache subscription; empty while detached
         self._displays = []  # DisplayHandles of where the panel is shown, to refresh their text fallback
         self._shown_text = None
 
     # -- wiring
     def attach(self) -> None:
-        """Register with the cache's callback lists (idempotent)."""
-        if not self._attached:
+        """Subscribe to the cache's events (idempotent)."""
+        if not self._unsubscribe:
             self._unsubscribe = [_cache.subscribe("compile", self.on_compile),
                                  _cache.subscribe("reset", self.on_reset),
                                  _cache.subscribe("progress", self.on_progress)]
-            self._attached = True
 
     def detach(self) -> None:
-        """Unregister from the cache: the panel stops updating (its widgets stay as they are)."""
-        for unsubscribe in getattr(self, "_unsubscribe", ()):
+        """Unsubscribe from the cache: the panel stops updating (its widgets stay as they are)."""
+        for unsubscribe in self._unsubscribe:
             unsubscribe()
         self._unsubscribe = []
-        self._attached = False
 
     def close(self) -> None:
         """Detach and close the widgets (their views disappear from the notebook)."""
@@ -213,7 +233,7 @@ class Panel:
         """Display the panel (again: every view shows the same widgets)."""
         self._displays.append(display(self, display_id=True))
 
-    # -- events (each must never raise into the step loop or the cache)
+    # -- subscribers and the sink's notice (each must never raise into the step loop or the cache)
     def on_compile(self, entry) -> None:
         self.latest_entry = entry
         self._safely(self.refresh)
@@ -226,9 +246,9 @@ class Panel:
         self._safely(self.refresh)
 
     def on_message(self, msg: _report.Message) -> None:
-        if msg.kind == "recompile-loop":
+        if msg.kind == Kind.RECOMPILE_LOOP:
             self.loop = msg
-        if msg.kind in ("compile", "epoch", "recompile-loop") or msg.kind.startswith("stale-"):
+        if msg.kind in _REFRESH_ON:
             self.refresh()
 
     def flush(self) -> None:

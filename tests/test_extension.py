@@ -1,9 +1,11 @@
 """The IPython extension, magics and widgets, driven through a real `InteractiveShell` (terminal IPython).
 
-The kernel side (rich messages, comms) is in test_kernel.py; the quickstart notebook in test_notebook.py.
+The kernel side (rich messages, comms) is in test_kernel.py; the quickstart notebook in test_notebook.py;
+the file watcher in test_watch.py.
 """
 
 import gc
+import importlib
 import subprocess
 import sys
 import threading
@@ -14,7 +16,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 import nitro_ipy
 from _cells import TINY_EXPERIMENT
-from nitro_ipy import _cache, _extension, _report, _watch, _world
+from nitro_ipy import _cache, _extension, _magics, _report, _world
 
 EXPERIMENT = TINY_EXPERIMENT + "n = Nitro(Tiny(), data=data, batch_size=16, progress=False)\n"
 EDIT = "def helper(r):\n    return abs(r)\n"
@@ -64,7 +66,7 @@ def trained(loaded, capsys):
     [
         "import nitro_ipy",
         # The stats table is a plain function: usable (and importable) without IPython.
-        "import nitro_ipy._magics as m; print(m.stats_table().summary())",
+        "import nitro_ipy._stats as m; print(m.stats_table().summary())",
     ],
 )
 def test_import_never_pulls_in_ipython_or_ipywidgets(code):
@@ -73,7 +75,7 @@ def test_import_never_pulls_in_ipython_or_ipywidgets(code):
     assert out.returncode == 0, out.stderr
 
 
-# ------------------------------------------------------------------------------------------------ hooks
+# ------------------------------------------------------------------------------------------------ cell callbacks
 def test_load_registers_one_set_of_callbacks_and_magics(shell):
     before = _callbacks(shell)
     shell.run_line_magic("load_ext", "nitro_ipy")
@@ -95,10 +97,11 @@ def test_load_registers_one_set_of_callbacks_and_magics(shell):
 
 
 def test_load_survives_a_reload_of_the_extension_module(shell):
-    """Callbacks left by an earlier copy of `_extension` (after `importlib.reload`) are found and removed."""
+    """Callbacks left by an earlier copy of `_magics` (after `importlib.reload`) are found and removed."""
     before = _callbacks(shell)
     _extension.load(shell)
-    _extension._loaded = None  # what a module reload loses
+    importlib.reload(_magics)  # the registered callbacks' class is no longer `_magics.NitroMagics`
+    importlib.reload(_extension)
     _extension.load(shell)
     assert _callbacks(shell) == {k: v + 1 for k, v in before.items()}
 
@@ -122,7 +125,7 @@ def test_a_failing_callback_never_breaks_the_cell(loaded, monkeypatch, capsys):
         raise RuntimeError("kaput")
 
     monkeypatch.setattr(_world, "bump_world", boom)
-    monkeypatch.setattr(_extension, "refresh_watch", lambda state: boom())
+    monkeypatch.setattr(_magics.NitroMagics, "refresh_watch", lambda self: boom())
     result = loaded.run_cell("y = 41 + 1")
     assert result.success and loaded.user_ns["y"] == 42
     err = capsys.readouterr().err.splitlines()
@@ -141,23 +144,6 @@ def test_an_edit_and_a_call_in_the_same_cell_are_seen(trained, capsys):
 
 def test_terminal_messages_stay_plain_text(loaded):
     assert _report.sink() is _report.print_sink
-
-
-def test_watcher_follows_user_module_files(loaded, tmp_path, monkeypatch):
-    """Files of user modules in the cache entries' closures are watched after the cell; unload stops it."""
-    (tmp_path / "nitro_helpers_mod.py").write_text("def helper(r):\n    return r ** 2\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "nitro_helpers_mod", raising=False)
-    _run(loaded, "from nitro_helpers_mod import helper\n" + EXPERIMENT.replace("def helper(r):\n    return r ** 2\n", ""))
-    assert _watch.watched() == set()
-    _run(loaded, "n.train()")
-    assert _watch.watched() == {str((tmp_path / "nitro_helpers_mod.py").resolve())}
-    loaded.run_line_magic("unload_ext", "nitro_ipy")
-    assert _watch.watched() == set()
-
-
-def test_notebook_cells_are_not_watched(trained):
-    assert _watch.watched() == set()
 
 
 # ------------------------------------------------------------------------------------------------ magics
@@ -261,13 +247,13 @@ def test_nitro_panel_in_a_terminal_prints_the_summary(loaded, capsys):
         "nitro_ipy: the live panel needs a notebook kernel.",
         "nitro_ipy cache: hits 0 | misses 0 | entries 0 | poisoned 0",
     ]
-    assert _extension._loaded.panel is None
+    assert _extension.loaded_magics(loaded).panel is None
 
 
 # ------------------------------------------------------------------------------------------------ widgets
 def _widget_kernel(monkeypatch):
     """Make the extension treat the terminal shell as a widget kernel (the real one is in test_kernel.py)."""
-    monkeypatch.setattr(_extension, "widget_kernel", lambda shell: True)
+    monkeypatch.setattr(_magics, "widget_kernel", lambda shell: True)
 
 
 def test_widget_kernel_installs_the_rich_sink_and_unload_restores(shell, monkeypatch):
@@ -399,14 +385,14 @@ def test_missing_ipywidgets_degrades_to_text_with_one_hint(shell, monkeypatch, c
     monkeypatch.setitem(sys.modules, "ipywidgets", None)  # `import ipywidgets` raises ImportError
     monkeypatch.delitem(sys.modules, "nitro_ipy._widgets", raising=False)
     monkeypatch.delattr(nitro_ipy, "_widgets", raising=False)
-    monkeypatch.setattr(_extension, "_hinted", False)
+    monkeypatch.setattr(_magics.NitroMagics, "hinted", False)
     shell.run_line_magic("load_ext", "nitro_ipy")
     shell.run_line_magic("reload_ext", "nitro_ipy")
     assert _report.sink() is _report.print_sink
-    assert capsys.readouterr().out == _extension._NO_WIDGETS + "\n"  # once, not once per load
+    assert capsys.readouterr().out == _magics.NO_WIDGETS + "\n"  # once, not once per load
     shell.run_line_magic("nitro_panel", "")
     assert capsys.readouterr().out.splitlines() == [
-        _extension._NO_WIDGETS,
+        _magics.NO_WIDGETS,
         "nitro_ipy cache: hits 0 | misses 0 | entries 0 | poisoned 0",
     ]
 
@@ -500,7 +486,7 @@ def test_nitro_panel_in_a_widget_kernel(shell, monkeypatch, capsys):
     shell.run_line_magic("load_ext", "nitro_ipy")
     shell.run_line_magic("nitro_panel", "")
     shell.run_line_magic("nitro_panel", "")  # shown twice: one panel, two views
-    panel = _extension._loaded.panel
+    panel = _extension.loaded_magics(shell).panel
     assert _report.sink().panel is panel and panel.on_compile in _cache.subscribers("compile")
     assert capsys.readouterr().out.splitlines() == [panel.text()] * 2
     shell.run_line_magic("unload_ext", "nitro_ipy")

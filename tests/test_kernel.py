@@ -137,7 +137,7 @@ def test_stale_messages_are_widgets_and_the_button_rebuilds(session):
     # Click as a front end does: a custom comm message to the button's model.
     session.send_comm(button_id, {"method": "custom", "content": {"event": "click"}})
     assert session.value("[n is n_alias, n.step, type(n).__name__]") == [True, 6, "Nitro"]
-    assert session.value("nitro_ipy._extension._loaded.sink.views[-1].output.outputs[0]['text']") == (
+    assert session.value("nitro_ipy._extension.loaded_magics(get_ipython()).sink.views[-1].output.outputs[0]['text']") == (
         "rebuilt: n, n_alias -> new handle\n"
     )
     messages = session.run("records = n.train()")
