@@ -70,7 +70,7 @@ def hook(cls, name: str, required: bool = True):
     return fn
 
 
-def field_names(cls, fn, n_positional: int) -> tuple[tuple[str, ...], tuple[str, ...], bool]:
+def batch_fields(cls, fn, n_positional: int) -> tuple[tuple[str, ...], tuple[str, ...], bool]:
     """`(required, optional, takes_all)` batch fields of hook `fn`, after its `n_positional` leading
     parameters (`self, params` or `self, outputs`)."""
     sig = inspect.signature(fn)
