@@ -65,6 +65,7 @@ class Binding:
         return CompileView(self.cls, {**self.graphconst.values, **dev}, self.hosts, _closure.note_class_attr)
 
     def split(self, name: str) -> dict:
+        """Split `name`, or an error naming the splits this handle has and how to add one."""
         if name not in self.splits:
             have = ", ".join(f"`{k}`" for k in self.splits) or "no splits"
             raise NitroValueError(

@@ -56,6 +56,7 @@ def live_class(cls):
 
 
 def hook(cls, name: str, required: bool = True):
+    """The plain function `cls` defines as hook `name` (None if absent and not `required`)."""
     fn = inspect.getattr_static(cls, name, None)
     if isinstance(fn, (staticmethod, classmethod)):
         raise NitroTypeError(f"hook `{cls.__qualname__}.{name}` must be a plain method; got a {type(fn).__name__}.")
