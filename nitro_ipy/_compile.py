@@ -50,6 +50,7 @@ def compile_program(
     info: dict | None = None,
     record: Callable | None = None,
     compiler_options: dict | None = None,
+    sources: dict | None = None,
 ):
     """Trace/lower/compile `fn` at `args` (JAX AOT), time it, and store the entry (a miss).
 
@@ -61,6 +62,8 @@ def compile_program(
     - `record`: a context-manager factory that records the trace's dependency closure; its result (the
       `closure` attribute of the manager) lands on the entry.
     - `compiler_options`: XLA options, on top of `program_options`' policy.
+    - `sources`: `{label: value}` a large constant baked into the program may have come from (the
+      GraphConst fields), so the compile can say which one (`large_constants`).
 
     **Returns:** the stored `_cache.Entry`; if another thread is compiling the same key, the entry it
     stores (this thread waits for it: a key is compiled once, and the wait counts a hit).
@@ -69,7 +72,7 @@ def compile_program(
     if claimed is None:
         return entry
     try:
-        entry = _build(key, fn, args, donate_argnums, info, record, compiler_options)
+        entry = _build(key, fn, args, donate_argnums, info, record, compiler_options, sources)
     except BaseException as err:
         _cache.release(claimed, err)
         raise
@@ -82,7 +85,7 @@ def compile_program(
     return entry
 
 
-def _build(key, fn, args, donate_argnums, info, record, compiler_options):
+def _build(key, fn, args, donate_argnums, info, record, compiler_options, sources):
     """Trace (recording), lower and XLA-compile: the `Entry`, not yet stored."""
     why = explain_miss(key, info or {}, _cache.live_entries() + _cache.poisoned_entries())
     jitted = jax.jit(fn, donate_argnums=donate_argnums)
@@ -102,7 +105,7 @@ def _build(key, fn, args, donate_argnums, info, record, compiler_options):
     return _cache.Entry(
         key, compiled, t1 - t0, t2 - t1, closure, info or {}, why, compiler_options=used,
         operations=sum(1 for _ in jaxpr_eqns([traced.jaxpr])),
-        constants=large_constants(traced.jaxpr, closure, (info or {}).get("sources")),
+        constants=large_constants(traced.jaxpr, closure, sources),
     )
 
 
@@ -113,9 +116,9 @@ LARGE_CONSTANT_BYTES = 1 << 20
 
 def large_constants(jaxpr, closure=None, sources: dict | None = None) -> tuple:
     """`(nbytes, shape, dtype, origin)` of each constant of at least `LARGE_CONSTANT_BYTES` that the
-    traced program closes over, largest first. `origin` names where it came from when it can be found:
-    a global the trace read (`__main__.TABLE`, one level into a dict, list or tuple global), or one of
-    `sources` (`{label: value}`, such as the GraphConst fields); None otherwise."""
+    traced program closes over, largest first. `origin` says where it came from when it can be found:
+    a global the trace read (`` `__main__.TABLE` ``, one level into a dict, list or tuple global), or the
+    label of one of `sources` (`{label: value}`, such as the GraphConst fields); None otherwise."""
     big = [c for c in getattr(jaxpr, "consts", ()) if getattr(c, "nbytes", 0) >= LARGE_CONSTANT_BYTES]
     if not big:
         return ()
@@ -139,8 +142,8 @@ def _global_arrays(closure) -> list:
             continue
         value = vars(module).get(name)
         items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
-        out.append((dep.qualified, value))
-        out.extend((f"{dep.qualified}[{k!r}]", v) for k, v in items)
+        out.append((f"`{dep.qualified}`", value))
+        out.extend((f"`{dep.qualified}[{k!r}]`", v) for k, v in items)
     return [(n, v) for n, v in out if hasattr(v, "shape") and hasattr(v, "dtype")]
 
 

@@ -1,12 +1,14 @@
 """Field markers (`GraphConst`, `Device`, `Host`) and the compile view traced hooks receive as `self`."""
 
+import copy
 import dataclasses
 import inspect
 import sys
 import typing
 from typing import Annotated
 
-from ._errors import HostFieldAccessError, NitroTypeError
+from ._errors import GraphConstHashError, HostFieldAccessError, NitroTypeError
+from ._fingerprint import Unfingerprintable, fingerprint, fingerprint_with_callables
 from ._memo import Memo
 
 
@@ -200,20 +202,27 @@ def compile_view(e, device_values: dict | None = None, cls=None, on_attr=None) -
     return CompileView(cls or type(e), values, hosts, on_attr)
 
 
+def short_repr(value, limit: int = 60) -> str:
+    """`repr(value)`, cut to `limit` characters: how a value is shown in messages and miss explanations."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _combined_hash(cls, fingerprints: dict) -> str:
+    # Seeded by the type's qualified name, so two experiment types with equal fields never share a key.
+    return fingerprint(
+        (f"{cls.__module__}.{cls.__qualname__}", tuple(fingerprints.items())), path=cls.__qualname__
+    )
+
+
 def graphconst_field_hash(e) -> str:
     """Content hash of `e`'s GraphConst fields, seeded by the experiment type's qualified name.
 
     Device and Host fields never enter it, so converting a Device field to a device array (or giving it
     a new value) leaves it unchanged. Stable across processes.
     """
-    from ._fingerprint import fingerprint
-
     cls = type(e)
-    names = graphconst_fields(cls)
-    return fingerprint(
-        (f"{cls.__module__}.{cls.__qualname__}", tuple((n, getattr(e, n)) for n in names)),
-        path=cls.__qualname__,
-    )
+    return _combined_hash(cls, {n: fingerprint(getattr(e, n), n) for n in graphconst_fields(cls)})
 
 
 _HASHABLE_FIX = (
@@ -223,50 +232,70 @@ _HASHABLE_FIX = (
 )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class GraphConstPrints:
+    """What a handle keeps of an experiment's GraphConst fields, from one fingerprint per value."""
+
+    values: dict  # {name: value}, what the compile view shows
+    hash: str  # `graphconst_field_hash(e)`: the key component
+    info: dict  # {name: (fingerprint, short repr)}: what a miss explanation shows
+
+
+def graphconst_prints(e) -> GraphConstPrints:
+    """One pass over `e`'s GraphConst values: each is fingerprinted once, checked as
+    `assert_graphconst_hashable` does, and the key hash and the explanation reprs derive from that."""
+    values = {n: getattr(e, n) for n in graphconst_fields(e)}
+    fingerprints = {name: _hashable_fingerprint(name, value) for name, value in values.items()}
+    return GraphConstPrints(
+        values=values,
+        hash=_combined_hash(type(e), fingerprints),
+        info={n: (fp, short_repr(values[n])) for n, fp in fingerprints.items()},
+    )
+
+
 def assert_graphconst_hashable(e) -> None:
     """Refuse a GraphConst value that does not fingerprint by content.
 
     A value and its `copy.deepcopy` must fingerprint equal and compare equal. Raises
     `GraphConstHashError` (a `TypeError`) naming the field and the path inside the value.
     """
-    import copy
+    graphconst_prints(e)
 
-    from ._errors import GraphConstHashError
-    from ._fingerprint import Unfingerprintable, fingerprint, fingerprint_with_callables
 
-    for name in graphconst_fields(e):
-        value = getattr(e, name)
-        try:
-            fp, callables = fingerprint_with_callables(value, name)
-        except Unfingerprintable as err:
-            raise GraphConstHashError(
-                f"GraphConst field `{name}` cannot be part of the compile key: `{err.path}`: {err.what}. "
-                + _HASHABLE_FIX
-            ) from None
-        try:
-            # Callables are kept as they are, as `copy` does for plain functions: a deep-copied jit
-            # wrapper or partial is a new identity with the same content, which proves nothing.
-            twin = copy.deepcopy(value, {id(c): c for c in callables})
-        except Exception as err:
-            raise GraphConstHashError(
-                f"GraphConst field `{name}` cannot be deep-copied ({type(err).__name__}: {err}). "
-                + _HASHABLE_FIX
-            ) from None
-        if fingerprint(twin, name) != fp:
-            raise GraphConstHashError(
-                f"GraphConst field `{name}` fingerprints differently from its deepcopy. " + _HASHABLE_FIX
-            )
-        try:
-            # The fingerprint is the authority; `==` only has to not contradict it. Containers of
-            # arrays raise on `bool(==)`, which is no contradiction.
-            equal = _is_arraylike(value) or bool(twin == value)
-        except Exception:
-            equal = True
-        if not equal:
-            raise GraphConstHashError(
-                f"GraphConst field `{name}` ({type(value).__qualname__}) does not compare equal to its "
-                f"deepcopy, so its `==` is by identity. " + _HASHABLE_FIX
-            )
+def _hashable_fingerprint(name: str, value) -> str:
+    """The fingerprint of GraphConst field `name`, once it is shown to be by content."""
+    try:
+        fp, callables = fingerprint_with_callables(value, name)
+    except Unfingerprintable as err:
+        raise GraphConstHashError(
+            f"GraphConst field `{name}` cannot be part of the compile key: `{err.path}`: {err.what}. "
+            + _HASHABLE_FIX
+        ) from None
+    try:
+        # Callables are kept as they are, as `copy` does for plain functions: a deep-copied jit
+        # wrapper or partial is a new identity with the same content, which proves nothing.
+        twin = copy.deepcopy(value, {id(c): c for c in callables})
+    except Exception as err:
+        raise GraphConstHashError(
+            f"GraphConst field `{name}` cannot be deep-copied ({type(err).__name__}: {err}). "
+            + _HASHABLE_FIX
+        ) from None
+    if fingerprint(twin, name) != fp:
+        raise GraphConstHashError(
+            f"GraphConst field `{name}` fingerprints differently from its deepcopy. " + _HASHABLE_FIX
+        )
+    try:
+        # The fingerprint is the authority; `==` only has to not contradict it. Containers of
+        # arrays raise on `bool(==)`, which is no contradiction.
+        equal = _is_arraylike(value) or bool(twin == value)
+    except Exception:
+        equal = True
+    if not equal:
+        raise GraphConstHashError(
+            f"GraphConst field `{name}` ({type(value).__qualname__}) does not compare equal to its "
+            f"deepcopy, so its `==` is by identity. " + _HASHABLE_FIX
+        )
+    return fp
 
 
 def _is_arraylike(v) -> bool:

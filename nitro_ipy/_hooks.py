@@ -56,6 +56,7 @@ def live_class(cls):
 
 
 def hook(cls, name: str, required: bool = True):
+    """The plain function `cls` defines as hook `name` (None if absent and not `required`)."""
     fn = inspect.getattr_static(cls, name, None)
     if isinstance(fn, (staticmethod, classmethod)):
         raise NitroTypeError(f"hook `{cls.__qualname__}.{name}` must be a plain method; got a {type(fn).__name__}.")
@@ -70,7 +71,7 @@ def hook(cls, name: str, required: bool = True):
     return fn
 
 
-def field_names(cls, fn, n_positional: int) -> tuple[tuple[str, ...], tuple[str, ...], bool]:
+def batch_fields(cls, fn, n_positional: int) -> tuple[tuple[str, ...], tuple[str, ...], bool]:
     """`(required, optional, takes_all)` batch fields of hook `fn`, after its `n_positional` leading
     parameters (`self, params` or `self, outputs`)."""
     sig = inspect.signature(fn)

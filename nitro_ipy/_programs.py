@@ -8,11 +8,20 @@ function that `jax.jit(...).lower(...)` traces:
 - evaluation forward: `(params, dev, inputs, targets, n_valid) -> (outputs, loss sum over valid rows)`;
 - device metric: `(dev, outputs, fields) -> {name: (sum, count)}`;
 - predict: `(params, dev, inputs) -> outputs`.
+
+`SPECS` holds one `Spec` per kind (the hooks it traces, its argument names, its builder, the handle
+settings in its key, donation, XLA options), and `program_key` composes every key from a spec.
 """
+
+import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from ._cache import Key, arg_signature
+from ._compile import OPTIMIZER_OPTIONS
 
 
 def make_gradient(view_of, forward, loss, input_names, target_names, layout, accum: int):
@@ -88,3 +97,72 @@ def make_predict(view_of, forward):
         return forward(view_of(dev), params, **inputs)
 
     return predict
+
+
+# ---------------------------------------------------------------- the table of program kinds
+@dataclasses.dataclass(frozen=True, slots=True)
+class Spec:
+    """How one kind of program is keyed and built."""
+
+    kind: str
+    hooks: tuple  # the experiment hooks it traces; a missing optional hook (`loss`) is left out of the key
+    args: tuple  # its argument names, in the key and in miss explanations
+    build: Callable  # `build(binding, layout, accum, hook, **fields)` -> the function `jax.jit` traces
+    options: tuple = ()  # the handle settings that shape it: names in `program_key`'s `settings`
+    donate: tuple = ()  # argument numbers whose buffers it reuses for its outputs
+    compiler_options: dict | None = None  # XLA options on top of `_compile.program_options`' policy
+    loops: bool = False  # a recompile with the same hooks is a loop worth a message (the training step)
+
+
+def _build_grad(b, layout, accum, hook, *, inputs, targets):
+    return make_gradient(b.view, b.forward, b.loss, inputs, targets, layout, accum)
+
+
+def _build_opt(b, layout, accum, hook):
+    return make_optimizer(b.view, b.optimizer, layout)
+
+
+def _build_eval(b, layout, accum, hook, *, inputs, targets):
+    return make_eval(b.view, b.forward, b.loss, inputs, targets)
+
+
+def _build_metric(b, layout, accum, hook):
+    return make_metric(b.view, b.metrics[hook][0])
+
+
+def _build_predict(b, layout, accum, hook):
+    return make_predict(b.view, b.forward)
+
+
+GRAD = Spec("grad", ("forward", "loss"), ("params", "device", "batch"), _build_grad,
+            options=("accum", "layout"), loops=True)
+OPT = Spec("opt", ("optimizer",), ("params", "grads", "opt_state", "device"), _build_opt,
+           options=("layout",), donate=(0, 2), compiler_options=OPTIMIZER_OPTIONS, loops=True)
+EVAL = Spec("eval", ("forward", "loss"), ("params", "device", "inputs", "targets", "n_valid"), _build_eval)
+METRIC = Spec("metric", (), ("device", "outputs", "fields"), _build_metric)  # one per hook: `metric:<hook>`
+PREDICT = Spec("predict", ("forward",), ("params", "device", "inputs"), _build_predict)
+SPECS = {s.kind: s for s in (GRAD, OPT, EVAL, METRIC, PREDICT)}
+
+
+def program_key(spec: Spec, binding, args: tuple, settings: dict, hook: str | None = None) -> Key:
+    """The cache key of one program, the only place a `Key` is composed.
+
+    **Arguments:**
+    - `spec`: the program's kind, from `SPECS`.
+    - `binding`: the handle's `Binding` (owner, hook fingerprints, GraphConst hash).
+    - `args`: the arguments the program is called with; their signature is part of the key.
+    - `settings`: the handle settings a spec's `options` name (`accum`, `layout`).
+    - `hook`: for a per-hook kind (`metric`), the hook it traces.
+
+    **Returns:** the `_cache.Key`.
+    """
+    kind, hooks = (spec.kind, spec.hooks) if hook is None else (f"{spec.kind}:{hook}", (hook,))
+    fps = binding.hook_fps
+    return Key(
+        kind,
+        binding.owner,
+        tuple((h, fps[h]) for h in hooks if h in fps),
+        arg_signature(args, spec.args),
+        binding.graphconst.hash,
+        tuple((o, settings[o]) for o in spec.options),
+    )

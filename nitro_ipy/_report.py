@@ -69,7 +69,7 @@ def _size(nbytes: int) -> str:
 
 
 def _large_constant_text(program: str, nbytes: int, shape: tuple, dtype: str, origin: str | None) -> str:
-    where = f" (`{origin}`)" if origin else ""
+    where = f" (from {origin})" if origin else ""
     return (
         f"nitro_ipy: the `{program}` program bakes in a {_size(nbytes)} constant {dtype}{list(shape)}{where}: "
         f"it is copied into the program at every compile and kept alive with it. Pass it as data (a "

@@ -42,11 +42,11 @@ def test_a_large_global_array_baked_into_a_program_is_said_with_its_size_and_nam
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("nitro_big_const", None)
-    assert entry.constants == ((2 * 1024 * 1024, (1024, 512), "float32", "nitro_big_const.TABLE"),)
+    assert entry.constants == ((2 * 1024 * 1024, (1024, 512), "float32", "`nitro_big_const.TABLE`"),)
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == (
         "nitro_ipy: the `predict` program bakes in a 2.0 MiB constant float32[1024, 512] "
-        "(`nitro_big_const.TABLE`): it is copied into the program at every compile and kept alive with "
+        "(from `nitro_big_const.TABLE`): it is copied into the program at every compile and kept alive with "
         "it. Pass it as data (a batch field of a split) or as a `Device` field, so compiled code receives "
         "it as an input."
     )
@@ -61,10 +61,10 @@ def test_a_transposed_or_device_copy_of_a_global_is_still_traced_to_it():
                                                                   qualified="nitro_const_src.DATA")))
     try:
         jaxpr = __import__("jax").jit(lambda x: x @ table.T).trace(np.ones((2, 512), np.float32)).jaxpr
-        assert _compile.large_constants(jaxpr, closure) == ((2 << 20, (512, 1024), "float32", "nitro_const_src.TABLE"),)
+        assert _compile.large_constants(jaxpr, closure) == ((2 << 20, (512, 1024), "float32", "`nitro_const_src.TABLE`"),)
         device = sys.modules["nitro_const_src"].DATA["x"]
         jaxpr = __import__("jax").jit(lambda x: x + device).trace(np.ones((1024, 512), np.float32)).jaxpr
-        assert _compile.large_constants(jaxpr, closure) == ((2 << 20, (1024, 512), "float32", "nitro_const_src.DATA['x']"),)
+        assert _compile.large_constants(jaxpr, closure) == ((2 << 20, (1024, 512), "float32", "`nitro_const_src.DATA['x']`"),)
         # a constant of unknown origin is still said, without a name; a small one is not
         jaxpr = __import__("jax").jit(lambda x: x + np.full((1024, 512), 3.0, np.float32)).trace(np.ones((1024, 512), np.float32)).jaxpr
         assert _compile.large_constants(jaxpr, closure) == ((2 << 20, (1024, 512), "float32", None),)
@@ -103,3 +103,21 @@ def test_a_slow_compile_says_how_many_operations_its_program_has():
         "nitro_ipy: compiled predict [] in 0.30 s (trace 0.10 s, XLA 0.20 s)")
     assert _report.message("compile", entry=slow).text == (
         "nitro_ipy: compiled predict [] in 2.50 s (trace 0.50 s, XLA 2.00 s, 12,345 operations)")
+
+
+@dataclasses.dataclass
+class WithTable:
+    table: GraphConst[object] = None
+
+    def init(self, rng):
+        return {"w": jnp.ones((3,))}
+
+    def forward(self, params, *, x):
+        return x @ self.table.T + params["w"].sum()
+
+
+def test_a_large_graphconst_array_is_named_by_its_field(capsys):
+    table = np.ones((512, 1024), np.float32)  # a NumPy array: the trace copies it, found by content
+    Nitro(WithTable(table), batch_size=4, progress=False).predict({"x": np.ones((4, 1024), np.float32)})
+    out = capsys.readouterr().out
+    assert "bakes in a 2.0 MiB constant float32[1024, 512] (from GraphConst field `table`)" in out, out

@@ -334,6 +334,21 @@ def test_graphconst_hash_with_no_graphconst_fields():
     assert isinstance(graphconst_field_hash(Empty()), str) and len(graphconst_field_hash(Empty())) == 32
 
 
+def test_graphconst_prints_fingerprint_each_value_once(monkeypatch):
+    from nitro_ipy import _fields
+
+    seen = []
+    real = _fields.fingerprint_with_callables
+    monkeypatch.setattr(_fields, "fingerprint_with_callables", lambda v, p: seen.append(p) or real(v, p))
+    prints = _fields.graphconst_prints(Marked())
+    assert seen == list(graphconst_fields(Marked()))  # one content pass per value, in field order
+    assert prints.hash == graphconst_field_hash(Marked())
+    assert prints.values == {n: getattr(Marked(), n) for n in graphconst_fields(Marked())}
+    assert prints.info == {
+        n: (nitro_ipy.fingerprint(v, n), repr(v)) for n, v in prints.values.items()
+    }
+
+
 _EXPERIMENT_MODULE = """
 import dataclasses
 from nitro_ipy import Device, GraphConst

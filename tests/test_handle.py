@@ -148,6 +148,39 @@ def test_rebuild_carries_state_and_leaves_old_handle_whole():
     assert n.step == m.step == 8
 
 
+def test_rebuild_goes_through_no_private_constructor_keyword():
+    with pytest.raises(TypeError):
+        Nitro(Reg(), data={"train": _data(64)}, _carry=None)
+    n = Nitro(Reg(), data={"train": _data(64)}, batch_size=16, progress=False)
+    m = n.rebuild()
+    assert m._options == n._options and m._binding is not n._binding  # re-bound, same settings
+
+
+def test_interrupt_gate_holds_ctrl_c_only_while_deferred():
+    from nitro_ipy._loop import InterruptGate
+
+    gate = InterruptGate()
+    with gate.installed():
+        gate.defer = True
+        os.kill(os.getpid(), signal.SIGINT)
+        assert gate.pending  # held, not raised
+        gate.defer = False
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # the handler runs before the next bytecode
+
+
+def test_every_program_key_comes_from_its_spec():
+    from nitro_ipy._programs import SPECS
+
+    n = Nitro(Reg(), data={"train": _data(64), "valid": _data(32, 1)}, batch_size=16, progress=False)
+    n.train()
+    n.predict({"x": _data(8)["x"]})
+    for key in n._programs:
+        spec = SPECS[key.kind.split(":")[0]]
+        assert key.args[0] and [name for name, _ in key.hooks] == [h for h in spec.hooks if h in n._binding.hook_fps]
+        assert [name for name, _ in key.options] == list(spec.options)
+
+
 def test_accum_matches_one_big_batch():
     @dataclasses.dataclass
     class Sgd(Reg):

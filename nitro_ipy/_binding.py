@@ -1,0 +1,212 @@
+"""Binding an experiment to a handle: what `Nitro` fixes at setup and never looks up again.
+
+`bind` takes the class as it is *now* in its namespace, rebinds the experiment to it, binds the hooks,
+routes batch fields to them, converts the Device fields, fingerprints the GraphConst values (once each)
+and validates the schedules. The result is a frozen `Binding`: a handle is a fixed point from there on,
+and `rebuild()` is how an edit gets in.
+"""
+
+import dataclasses
+from typing import Callable
+
+import jax
+import numpy as np
+import optax
+
+from . import _closure
+from ._data import check_splits
+from ._errors import NitroTypeError, NitroValueError
+from ._fields import CompileView, GraphConstPrints, field_kinds, graphconst_prints, short_repr
+from ._fingerprint import Unfingerprintable, code_fingerprint, function_fingerprint
+from ._hooks import batch_fields, hook, live_class, metric_hooks
+
+
+def _default_optimizer(self):
+    return optax.adam(1e-3)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Route:
+    """Which batch fields a hook wants: the required ones, and optional ones sent when a split has them."""
+
+    required: tuple
+    optional: tuple
+    takes_all: bool
+
+    def pick(self, available) -> tuple:
+        """The fields of `available` (a split or a batch) this hook is called with, in call order."""
+        if self.takes_all:
+            return tuple(available)
+        return self.required + tuple(f for f in self.optional if f in available)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Binding:
+    """An experiment bound to its live class: hooks, routes, fingerprints, Device values, splits."""
+
+    experiment: object  # an instance of `cls` (rebound if the class cell was re-run)
+    cls: type  # the live class the hooks were bound through
+    owner: str  # `module.qualname`, the key's owner
+    init: Callable
+    forward: Callable
+    loss: Callable | None
+    optimizer: Callable
+    metrics: dict  # {hook name: (function, residency)}
+    hook_fps: dict  # {hook name: fingerprint} for every hook present
+    routes: dict  # {hook name: Route}
+    graphconst: GraphConstPrints
+    hosts: tuple  # names of the Host fields, which the compile view refuses
+    device_host: dict  # {Device field: strongly typed numpy value}
+    schedules: dict  # {Device field: fn(step) -> value}
+    splits: dict  # {split name: {batch field: array}}
+
+    def view(self, dev) -> CompileView:
+        """The `self` traced hooks see, with Device values `dev` (traced arrays inside a program)."""
+        return CompileView(self.cls, {**self.graphconst.values, **dev}, self.hosts, _closure.note_class_attr)
+
+    @property
+    def graphconst_sources(self) -> dict:
+        """`{"GraphConst field `name`": value}`: where a large constant baked into a program may come from."""
+        return {f"GraphConst field `{n}`": v for n, v in self.graphconst.values.items()}
+
+    def split(self, name: str) -> dict:
+        """Split `name`, or an error naming the splits this handle has and how to add one."""
+        if name not in self.splits:
+            have = ", ".join(f"`{k}`" for k in self.splits) or "no splits"
+            raise NitroValueError(
+                f"no `{name}` split: this handle has {have}. Pass it as `Nitro(e, data={{\"{name}\": "
+                f"{{...}}}})` or return it from the experiment's `data(self)` hook."
+            )
+        return self.splits[name]
+
+    def need_loss(self, what: str):
+        """Refuse `what` (training, say) when the experiment has no `loss` hook."""
+        if self.loss is None:
+            raise NitroTypeError(
+                f"`{self.cls.__qualname__}` has no `loss` hook, which {what} needs; add "
+                f"`def loss(self, outputs, *, y): return scalar`."
+            )
+
+    def apply_schedules(self, dev: dict, step: int):
+        """Set each scheduled Device field of `dev` to its value at `step`, in place."""
+        for name, fn in self.schedules.items():
+            want = self.device_host[name]
+            value = np.asarray(fn(step), dtype=want.dtype)
+            if value.shape != want.shape:
+                raise NitroValueError(
+                    f"schedule for `{name}` returned shape {value.shape} at step {step}; the field has "
+                    f"shape {want.shape}."
+                )
+            dev[name] = value
+
+
+def bind(e, data=None, schedules: dict | None = None) -> Binding:
+    """Bind experiment `e` through its live class.
+
+    **Arguments:**
+    - `e`: the experiment, a dataclass with marked fields and hook methods.
+    - `data`: the splits, or None for the experiment's `data(self)` hook (or no splits).
+    - `schedules`: `{Device field: fn(step) -> value}`.
+
+    **Returns:** a `Binding`. Raises the setup errors (`NitroTypeError`, `NitroValueError`,
+    `GraphConstHashError`) with the fix in the message.
+    """
+    field_kinds(e)  # a non-dataclass is refused here, with the fix
+    cls = live_class(type(e))
+    if cls is not type(e):
+        e = _rebind(e, cls)
+    graphconst = graphconst_prints(e)
+    kinds = field_kinds(cls)
+
+    init = hook(cls, "init")
+    forward = hook(cls, "forward")
+    loss = hook(cls, "loss", required=False)
+    optimizer = hook(cls, "optimizer", required=False) or _default_optimizer
+    metrics = metric_hooks(cls)
+    batch_fields(cls, init, 2)  # checks its signature; `init` takes no batch fields
+    routes = {"forward": Route(*batch_fields(cls, forward, 2))}
+    if loss is not None:
+        routes["loss"] = Route(*batch_fields(cls, loss, 2))
+    for name, (fn, _) in metrics.items():
+        routes[name] = Route(*batch_fields(cls, fn, 2))
+    hooks = (("init", init), ("forward", forward), ("loss", loss), ("optimizer", optimizer),
+             *((n, f) for n, (f, _) in metrics.items()))
+    hook_fps = {name: _hook_fingerprint(fn) for name, fn in hooks if fn is not None}
+
+    if data is None and hook(cls, "data", required=False) is not None:
+        data = cls.data(e)
+    splits = check_splits(data)
+    _check_routes(cls, splits, routes, loss is not None)
+
+    device_host = {n: _device_value(cls, n, getattr(e, n)) for n, k in kinds.items() if k == "Device"}
+    schedules = dict(schedules or {})
+    _check_schedules(cls, schedules, device_host)
+
+    return Binding(
+        experiment=e, cls=cls, owner=f"{cls.__module__}.{cls.__qualname__}",
+        init=init, forward=forward, loss=loss, optimizer=optimizer, metrics=metrics,
+        hook_fps=hook_fps, routes=routes, graphconst=graphconst,
+        hosts=tuple(n for n, k in kinds.items() if k == "Host"),
+        device_host=device_host, schedules=schedules, splits=splits,
+    )
+
+
+def _check_routes(cls, splits: dict, routes: dict, has_loss: bool):
+    for split_name, split in splits.items():
+        hooks = ["forward"]
+        if split_name == "train":
+            hooks += ["loss"] if has_loss else []
+        else:
+            hooks += [h for h in routes if h != "forward" and (h != "loss" or has_loss)]
+        for h in hooks:
+            missing = [f for f in routes[h].required if f not in split]
+            if missing:
+                raise NitroValueError(
+                    f"hook `{cls.__qualname__}.{h}` wants batch field "
+                    f"{', '.join(f'`{m}`' for m in missing)}, which split `{split_name}` does not provide "
+                    f"(it has {', '.join(f'`{k}`' for k in split)}). Add the field to the split, or give "
+                    f"the parameter a default in `{h}`."
+                )
+
+
+def _check_schedules(cls, schedules: dict, device_host: dict):
+    for name, fn in schedules.items():
+        if name not in device_host:
+            raise NitroValueError(
+                f"schedule for `{name}`, which is not a Device field of `{cls.__qualname__}` "
+                f"(Device fields: {', '.join(map(repr, device_host)) or 'none'}); mark it `Device[float]` "
+                f"so a schedule can set it without recompiling."
+            )
+        if not callable(fn):
+            raise NitroTypeError(f"schedule for `{name}` must be callable as `fn(step)`; got {fn!r}.")
+
+
+def _device_value(cls, name: str, value):
+    """`value` as the numpy array a Device field is traced as: numeric, canonical dtype, strongly typed."""
+    try:
+        arr = np.asarray(value)
+    except Exception:
+        arr = None
+    if arr is None or arr.dtype.kind not in "biufc":
+        raise NitroTypeError(
+            f"Device field `{cls.__qualname__}.{name}` must hold a number or numeric array; got "
+            f"{type(value).__qualname__} ({short_repr(value)}). Mark it `GraphConst[...]` if it shapes "
+            f"the graph, or `Host[...]` if compiled code does not need it."
+        )
+    dtype = jax.dtypes.canonicalize_dtype(arr.dtype)
+    if isinstance(value, bool):
+        dtype = np.dtype(bool)
+    return np.asarray(arr, dtype)
+
+
+def _hook_fingerprint(fn) -> str:
+    try:
+        return function_fingerprint(fn)
+    except Unfingerprintable:
+        return code_fingerprint(fn.__code__)  # a closure cell we cannot read by content: code only
+
+
+def _rebind(e, cls):
+    """An instance of the live class `cls` carrying `e`'s field values (the class cell was re-run)."""
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    return cls(**{n: getattr(e, n) for n in names if hasattr(e, n)})
