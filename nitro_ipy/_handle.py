@@ -4,8 +4,8 @@ Setup binds the experiment (`_binding.py`); programs are keyed from the spec tab
 builders (`_programs.py`); the epoch loop lives in `_loop.py`. The handle owns the side effects
 (counters, messages) and the state that training advances.
 
-Internal names other code relies on (benchmarks/profile_handle.py, bench_staleness.py): `_params`,
-`_state`, `_dev` (the Device values the programs get), `_layout`, `_programs` (key -> Entry this handle
+Internal names other code relies on (benchmarks/profile_handle.py, bench_staleness.py): `_params` (the
+dynamic params tree, `_model.ParamSplit`), `_model_state`, `_opt_state`, `_model`, `_dev` (the Device values the programs get), `_layout`, `_programs` (key -> Entry this handle
 runs), `_enter()`, and `_view`, `_forward`, `_loss`, `_optimizer`, which forward to the binding.
 """
 
@@ -18,14 +18,13 @@ from ._data import check_splits, eval_batches, split_len, steps_per_epoch
 from ._errors import NitroTypeError, NitroValueError
 from ._fields import short_repr
 from ._layout import FlatLayout, TreeLayout
+from ._model import Model, ParamSplit, check_state, split_init, strong
+from ._optimizer import init_optimizer
 from ._programs import EVAL, GRAD, METRIC, OPT, PREDICT, program_key
 from ._report import Kind
 
 
-def _strong(x):
-    """A fresh, strongly typed device copy: a Python scalar from `init` would otherwise be weakly typed,
-    and the optimizer's strongly typed output would move the key at step 2."""
-    return jax.device_put(np.asarray(x))
+_strong = strong  # the name benchmarks/profile_handle.py imports
 
 
 class Nitro:
@@ -64,7 +63,8 @@ class Nitro:
 
     @classmethod
     def _carrying(cls, e, options: dict, carry: tuple) -> "Nitro":
-        """A handle set up with `options` whose params, optimizer state, step and epoch are `carry`."""
+        """A handle set up with `options` whose `(params, model state, optimizer state, step, epoch)` are
+        `carry` (`params` the user's tree; optimizer state None to initialize it)."""
         n = cls.__new__(cls)
         n._setup(e, options, carry)
         return n
@@ -84,21 +84,27 @@ class Nitro:
         self._dev = {n: jax.device_put(v) for n, v in b.device_host.items()}
 
         if carry is not None:
-            params, opt_state, self.step, self.epoch = carry
-            # One transfer for every buffer, no per-shape copy programs: the old handle keeps its own.
-            self._params, opt_state = jax.device_put((params, opt_state), may_alias=False)
+            params, state, opt_state, self.step, self.epoch = carry
+            if opt_state is not None:  # a rebuild: one transfer for every buffer, no per-shape copy
+                # programs; the old handle keeps its own
+                params, state, opt_state = jax.device_put((params, state, opt_state), may_alias=False)
         else:
-            rng = jax.random.PRNGKey(self.seed)
-            self._params = jax.tree.map(_strong, b.init(b.experiment, rng))
+            params, state = split_init(b.cls, b.init(b.experiment, jax.random.PRNGKey(self.seed)), b.has_state)
             opt_state, self.step, self.epoch = None, 0, 0
-        self._layout = (FlatLayout if self.flat_params else TreeLayout)(self._params)
+        if state is not None:
+            check_state(state)
+        split = ParamSplit(params)  # refuses, at setup, a leaf neither array nor static, naming its path
+        self._params = jax.tree.map(_strong, split.dynamic(params)) if opt_state is None else split.dynamic(params)
+        self._model_state = None if state is None else jax.tree.map(_strong, state)
+        trainable = split.trainable(self._params)
+        self._layout = (FlatLayout if self.flat_params else TreeLayout)(trainable)
+        self._model = Model(split, self._layout, b.has_state, b.reserved)
         if opt_state is None:
-            tx = b.optimizer(b.view(self._dev))
-            opt_state = tx.init(self._layout.ravel(self._params))
-            self._state = jax.tree.map(_strong, opt_state)
-        else:
-            self._state = opt_state
-        self._settings = {"accum": self.accum, "layout": self._layout.signature}  # what specs' options name
+            opt_state = jax.tree.map(_strong, init_optimizer(b, self._layout, trainable, self._dev))
+        self._opt_state = opt_state
+        self._settings = {"accum": self.accum, "layout": self._layout.signature, "statics": split.signature}
+        # The rng argument of the gradient program: `[seed, step]`, or None when no hook wants `rng`.
+        self._seed_step = (lambda step: np.array([self.seed, step], np.uint32)) if b.wants_rng else (lambda step: None)
 
         self._programs: dict = {}  # key -> Entry: what this handle runs (kept even if poisoned)
         self._kinds_seen: dict = {}  # kind -> key of the first program of that kind
@@ -108,18 +114,26 @@ class Nitro:
     # ---------------------------------------------------------------- state
     @property
     def params(self):
-        """The current parameters (the pytree `init` returned, updated by training)."""
-        return self._params
+        """The current parameters: the pytree `init` returned (an Equinox module, Flax variables, a dict),
+        updated by training, static leaves included."""
+        return self._model.split.combine(self._params)
 
     @property
     def state(self):
+        """The model state (batch statistics, say): the second value `init` returned when `forward`
+        declares `state`, updated by every training step; None when the model has none."""
+        return self._model_state
+
+    @property
+    def opt_state(self):
         """The optimizer state (over the flat parameter buffers unless `flat_params=False`)."""
-        return self._state
+        return self._opt_state
 
     def rebuild(self) -> "Nitro":
-        """A new handle on the same experiment with the current state carried over and hooks re-bound
-        through the class as it is now: the way to pick up an edit."""
-        return Nitro._carrying(self.experiment, self._options, (self._params, self._state, self.step, self.epoch))
+        """A new handle on the same experiment with the current params, model state and optimizer state
+        carried over and hooks re-bound through the class as it is now: the way to pick up an edit."""
+        carry = (self.params, self._model_state, self._opt_state, self.step, self.epoch)
+        return Nitro._carrying(self.experiment, self._options, carry)
 
     def __repr__(self):
         return (
@@ -152,7 +166,7 @@ class Nitro:
             return entry
         entry = _cache.lookup(key)
         if entry is None:
-            fn = spec.build(self._binding, self._layout, self.accum, hook, **fields)
+            fn = spec.build(self._binding, self._model, self.accum, hook, **fields)
             entry = _compile.compile_program(key, fn, args, donate_argnums=spec.donate,
                                              info={"graphconst": self._binding.graphconst.info},
                                              record=_closure.record, compiler_options=spec.compiler_options,
@@ -167,11 +181,11 @@ class Nitro:
 
     def _grad_entry(self, batch):
         routes = self._binding.routes
-        return self._resolve(GRAD, (self._params, self._dev, batch),
-                             inputs=routes["forward"].pick(batch), targets=routes["loss"].pick(batch))
+        args = (self._params, self._model_state, self._dev, batch, self._seed_step(self.step))
+        return self._resolve(GRAD, args, inputs=routes["forward"].pick(batch), targets=routes["loss"].pick(batch))
 
     def _opt_entry(self, flat_grads):
-        return self._resolve(OPT, (self._params, flat_grads, self._state, self._dev))
+        return self._resolve(OPT, (self._params, flat_grads, self._opt_state, self._dev))
 
     # ---------------------------------------------------------------- entry points
     def _enter(self):
@@ -231,7 +245,7 @@ class Nitro:
         for batch, n_valid in eval_batches(split, fields, self.batch_size):
             x = {k: batch[k] for k in inputs}
             t = {k: batch[k] for k in targets}
-            args = (self._params, self._dev, x, t, np.int32(n_valid))
+            args = (self._params, self._model_state, self._dev, x, t, np.int32(n_valid))
             if entry is None:
                 entry = self._resolve(EVAL, args, inputs=inputs, targets=targets)
             else:
@@ -274,7 +288,7 @@ class Nitro:
         pieces = []
         entry = None
         for batch, n_valid in eval_batches(split, names, self.batch_size):
-            args = (self._params, self._dev, batch)
+            args = (self._params, self._model_state, self._dev, batch)
             if entry is None:
                 entry = self._resolve(PREDICT, args)
             else:
