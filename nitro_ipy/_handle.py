@@ -18,7 +18,7 @@ from ._data import check_splits, eval_batches, split_len, steps_per_epoch
 from ._errors import NitroTypeError, NitroValueError
 from ._fields import short_repr
 from ._layout import FlatLayout, TreeLayout
-from ._model import Model, ParamSplit, check_state, split_init, strong
+from ._model import Model, ParamSplit, check_given, check_state, split_init, strong
 from ._optimizer import init_optimizer
 from ._programs import EVAL, GRAD, METRIC, OPT, PREDICT, program_key
 from ._report import Kind
@@ -40,6 +40,8 @@ class Nitro:
     - `progress`: show a progress bar while training (a widget in notebooks, text in terminals).
     - `flat_params`: update parameters as one flat buffer per dtype (default). Set False for optimizers
       whose maths is per array (LAMB, LARS, factored Adafactor, masks by parameter path).
+    - `params`, `state`: start from these values (pretrained, checkpointed) instead of `init`'s; checked
+      against the structure, shapes and dtypes `init` builds (abstractly: no real init is paid).
     """
 
     def __init__(
@@ -54,12 +56,15 @@ class Nitro:
         seed: int = 0,
         progress: bool = True,
         flat_params: bool = True,
+        params=None,
+        state=None,
     ):
         options = dict(
             data=data, batch_size=batch_size, max_epochs=max_epochs, accum=accum,
             schedules=schedules, seed=seed, progress=progress, flat_params=flat_params,
         )
-        self._setup(e, options, carry=None)
+        given = None if params is None and state is None else (params, state)
+        self._setup(e, options, carry=None, given=given)
 
     @classmethod
     def _carrying(cls, e, options: dict, carry: tuple) -> "Nitro":
@@ -69,7 +74,7 @@ class Nitro:
         n._setup(e, options, carry)
         return n
 
-    def _setup(self, e, options: dict, carry: tuple | None):
+    def _setup(self, e, options: dict, carry: tuple | None, given: tuple | None = None):
         batch_size, max_epochs, accum = options["batch_size"], options["max_epochs"], options["accum"]
         for name, value in (("batch_size", batch_size), ("max_epochs", max_epochs), ("accum", accum)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
@@ -88,6 +93,9 @@ class Nitro:
             if opt_state is not None:  # a rebuild: one transfer for every buffer, no per-shape copy
                 # programs; the old handle keeps its own
                 params, state, opt_state = jax.device_put((params, state, opt_state), may_alias=False)
+        elif given is not None:
+            params, state = check_given(b, jax.random.PRNGKey(self.seed), *given)
+            opt_state, self.step, self.epoch = None, 0, 0
         else:
             params, state = split_init(b.cls, b.init(b.experiment, jax.random.PRNGKey(self.seed)), b.has_state)
             opt_state, self.step, self.epoch = None, 0, 0

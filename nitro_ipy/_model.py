@@ -71,7 +71,7 @@ def leaf_kind(leaf, path: str) -> str:
         fingerprint(leaf, path)
     except Unfingerprintable as err:
         raise NitroTypeError(
-            f"`{path}` is {type(leaf).__qualname__} ({short_repr(leaf)}): neither an array (trained or "
+            f"`{path}` is {type(leaf).__name__} ({short_repr(leaf)}): neither an array (trained or "
             f"carried) nor a static value with a content fingerprint ({err}). Return an array there, or "
             f"keep the value out of `params` (a GraphConst field, or a static field of your module)."
         ) from None
@@ -115,7 +115,10 @@ class ParamSplit:
 
 def strong(x):
     """A fresh, strongly typed device copy: a Python scalar would otherwise be weakly typed, and the
-    optimizer's strongly typed output would move the key at step 2."""
+    optimizer's strongly typed output would move the key at step 2. A typed PRNG key (an NNX `RngKey`)
+    has no numpy form: it is copied on device."""
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.device_put(x, may_alias=False)
     return jax.device_put(np.asarray(x))
 
 
@@ -191,19 +194,51 @@ def _is_array(x) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-def check_given(cls, what: str, expected, given):
-    """Refuse a given `params=` / `state=` whose structure, shapes or dtypes differ from `init`'s."""
-    lines = tree_diff(expected, given, what)
-    if not lines and jax.tree_util.tree_structure(expected) != jax.tree_util.tree_structure(given):
-        lines = [f"containers differ: expected {jax.tree_util.tree_structure(expected)}, got "
-                 f"{jax.tree_util.tree_structure(given)}"]
-    if lines:
-        shown = "\n  ".join(lines[:12]) + ("\n  ..." if len(lines) > 12 else "")
+def _abstract_init(b, rng):
+    """`init`'s `(params, state)` as shapes and dtypes only (`jax.eval_shape`), its static leaves kept."""
+    statics = {}
+
+    def arrays_only(r):
+        params, state = split_init(b.cls, b.init(b.experiment, r), b.has_state)
+        leaves, treedef = jax.tree_util.tree_flatten((params, state))
+        statics["treedef"] = treedef
+        statics["leaves"] = {i: x for i, x in enumerate(leaves) if not _is_array(x)}
+        return [x if _is_array(x) else None for x in leaves]
+
+    shapes = jax.eval_shape(arrays_only, rng)
+    leaves = [statics["leaves"].get(i, x) for i, x in enumerate(shapes)]
+    return jax.tree_util.tree_unflatten(statics["treedef"], leaves)
+
+
+def check_given(b, rng, params, state):
+    """`(params, state)` given to `Nitro(e, params=..., state=...)`, refused with a path-level diff when
+    they do not match what `init` builds; a value not given is taken from a real `init`."""
+    cls = b.cls
+    if state is not None and not b.has_state:
         raise NitroValueError(
-            f"the given `{what}=` does not match what `{cls.__qualname__}.init` builds:\n  {shown}\n"
-            f"Pass values with `init`'s structure (load the checkpoint into the same model), or change "
-            f"the GraphConst fields so `init` builds the model the values came from."
+            f"`state=` was given, but `{cls.__qualname__}.forward` does not declare `state`; add "
+            f"`*, state` to `forward` (returning `(outputs, new_state)`) or drop `state=`."
         )
+    want_params, want_state = _abstract_init(b, rng)
+    for what, want, got in (("params", want_params, params), ("state", want_state, state)):
+        if got is None:
+            continue
+        lines = tree_diff(want, got, what)
+        if not lines and jax.tree_util.tree_structure(want) != jax.tree_util.tree_structure(got):
+            lines = [f"containers differ: expected {jax.tree_util.tree_structure(want)}, got "
+                     f"{jax.tree_util.tree_structure(got)}"]
+        if lines:
+            shown = "\n  ".join(lines[:12]) + ("\n  ..." if len(lines) > 12 else "")
+            raise NitroValueError(
+                f"the given `{what}=` does not match what `{cls.__qualname__}.init` builds:\n  {shown}\n"
+                f"Pass values with `init`'s structure (load the checkpoint into the same model), or change "
+                f"the GraphConst fields so `init` builds the model the values came from."
+            )
+    if params is None or (state is None and b.has_state):
+        real_params, real_state = split_init(cls, b.init(b.experiment, rng), b.has_state)
+        params = real_params if params is None else params
+        state = real_state if state is None else state
+    return params, state
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ Both checks run before anything compiles, so the user sees the fix, not a trace.
 import types
 
 import jax
+import numpy as np
 
 from ._errors import NitroTypeError, NitroValueError
 
@@ -67,7 +68,8 @@ def _concretization_errors() -> tuple:
 
 def _trace(b, flat, dev: dict, concrete: str | None = None):
     """Build the optimizer with `dev` traced (but field `concrete`) and run init + one update abstractly."""
-    fixed = {} if concrete is None else {concrete: dev[concrete]}
+    # numpy, not a device array: a device array would be staged into the trace, and traced again
+    fixed = {} if concrete is None else {concrete: np.asarray(dev[concrete])}
 
     def run(traced):
         tx = b.optimizer(b.view({**traced, **fixed}))
