@@ -18,7 +18,7 @@ from ._data import check_splits, eval_batches, split_len, steps_per_epoch
 from ._errors import NitroTypeError, NitroValueError
 from ._fields import short_repr
 from ._layout import FlatLayout, TreeLayout
-from ._model import Model, ParamSplit, check_given, check_state, split_init, strong
+from ._model import Model, ParamSplit, check_given, check_state, run_init, strong
 from ._optimizer import init_optimizer
 from ._programs import EVAL, GRAD, METRIC, OPT, PREDICT, program_key
 from ._report import Kind
@@ -97,7 +97,7 @@ class Nitro:
             params, state = check_given(b, jax.random.PRNGKey(self.seed), *given)
             opt_state, self.step, self.epoch = None, 0, 0
         else:
-            params, state = split_init(b.cls, b.init(b.experiment, jax.random.PRNGKey(self.seed)), b.has_state)
+            params, state = run_init(b, jax.random.PRNGKey(self.seed))
             opt_state, self.step, self.epoch = None, 0, 0
         if state is not None:
             check_state(state)
