@@ -59,7 +59,12 @@ from ._compat import (
     traceback_codes,
     tracebacks_usable as _tracebacks_usable,
 )
-from ._fingerprint import Unfingerprintable, code_fingerprint, fingerprint, is_library_file
+from . import _origin
+from ._fingerprint import Unfingerprintable, code_fingerprint, fingerprint
+from ._origin import is_cell_file as _is_cell_file
+from ._origin import is_user_file as _is_user_file
+from ._origin import is_user_function as _is_user_function
+from ._origin import is_user_module as _is_user_module
 
 __all__ = [
     "CellDep",
@@ -72,7 +77,6 @@ __all__ = [
     "record",
 ]
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _MISSING = object()
 _SKIP = object()  # a value not worth recording at all: a tracer (trace-internal, not external state)
 
@@ -138,43 +142,6 @@ class CellDep(NamedTuple):
     @property
     def qualified(self) -> str:
         return f"{self.module}.{self.qualname}.{self.var}"
-
-
-# --------------------------------------------------------------------------------------------------------
-# Classification: whose code is this?
-
-_file_verdicts: dict[str, bool] = {}
-
-
-def _classify_file(filename: str) -> bool:
-    verdict = not is_library_file(filename)
-    if verdict and not filename.startswith("<"):
-        verdict = not os.path.abspath(filename).startswith(_PACKAGE_DIR)
-    _file_verdicts[filename] = verdict
-    return verdict
-
-
-def _is_user_file(filename: str) -> bool:
-    """True for code the user wrote: notebook cells and the user's own files (not nitro_ipy's)."""
-    verdict = _file_verdicts.get(filename)
-    return _classify_file(filename) if verdict is None else verdict
-
-
-def _is_user_module(name: str) -> bool:
-    if name == "__main__":
-        return True
-    module = sys.modules.get(name)
-    filename = getattr(module, "__file__", None)
-    return bool(filename) and _is_user_file(filename)
-
-
-def _is_user_function(fn) -> bool:
-    return isinstance(fn, types.FunctionType) and _is_user_file(fn.__code__.co_filename)
-
-
-def _is_cell_file(filename: str) -> bool:
-    """Notebook cells: `<ipython-input-N-...>` (terminal) or `/tmp/ipykernel_PID/HASH.py` (kernel)."""
-    return filename.startswith("<") or f"{os.sep}ipykernel_" in filename
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -482,20 +449,12 @@ def _compile_version(filename: str, data: bytes | None) -> dict[str, frozenset] 
 
 
 def _live_namespace(module: str, recorded: dict, memo: dict, key=None) -> dict | None:
-    """The namespace `module` names now: `sys.modules[module]`, else the one the code ran in.
-
-    `__main__` is special: an IPython shell's user namespace may not be `sys.modules["__main__"]` (a test
-    runner owns that), and the code ran in the user namespace, so that one stays authoritative.
-    """
+    """`_origin.live_namespace`, memoized per scan."""
     if key is None:
         key = ("N", module, id(recorded))
     ns = memo.get(key, _MISSING)
     if ns is _MISSING:
-        mod = sys.modules.get(module)
-        d = getattr(mod, "__dict__", None) if mod is not None else None
-        if d is None or (d is not recorded and module == "__main__"):
-            d = recorded
-        ns = memo[key] = d
+        ns = memo[key] = _origin.live_namespace(module, recorded)
     return ns
 
 
@@ -1033,7 +992,7 @@ class _Builder:
         fp = _attr_fingerprint(attr)
         if fp is _SKIP:
             return
-        ns = _class_namespace(cls)
+        ns = _origin.class_namespace(cls)
         dep = ClassAttrDep(cls.__module__, cls.__qualname__, name, fp)
         anonymous = ns is None or not isinstance(
             _lookup(_live_namespace(cls.__module__, ns, {}), cls.__qualname__), type
@@ -1107,18 +1066,6 @@ def _cells_of(fn: types.FunctionType) -> list[tuple[str, object]]:
     """`(free variable, value)` of each filled closure cell of `fn`."""
     cells = zip(fn.__code__.co_freevars, _cell_contents(fn.__closure__), strict=True)
     return [(k, v) for k, v in cells if v is not _MISSING]
-
-
-def _class_namespace(cls: type) -> dict | None:
-    """The globals of the module a class was defined in (its methods know it even in an IPython shell)."""
-    for attr in vars(cls).values():
-        if not isinstance(attr, (types.FunctionType, staticmethod, classmethod, property)):
-            continue
-        for fn in _underlying(attr):
-            if fn.__code__.co_qualname.startswith(cls.__qualname__ + "."):
-                return fn.__globals__
-    module = sys.modules.get(cls.__module__)
-    return getattr(module, "__dict__", None)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -1216,7 +1163,7 @@ def _traceback_codes(jaxprs: list) -> dict[int, types.CodeType]:
     every user function that bound a primitive, directly or any number of calls down, is on one.
     `<module>` frames are never a function the program depends on."""
     codes, seen_tb = {}, {}
-    get_verdict = _file_verdicts.get
+    get_verdict = _origin.verdicts.get
     for eqn in jaxpr_eqns(jaxprs):
         tb = equation_traceback(eqn)
         if tb is not None and id(tb) not in seen_tb:
@@ -1226,7 +1173,7 @@ def _traceback_codes(jaxprs: list) -> dict[int, types.CodeType]:
                     break
                 verdict = get_verdict(code.co_filename)
                 if verdict is None:
-                    verdict = _classify_file(code.co_filename)
+                    verdict = _is_user_file(code.co_filename)
                 if verdict:
                     codes[id(code)] = code
     return codes
@@ -1270,29 +1217,12 @@ class _FunctionIndex:
             self.build()
         return self
 
-    @staticmethod
-    def _namespaces() -> list[tuple[str, dict]]:
-        """(module name, globals) of each user namespace; the notebook's (`__main__`) first."""
-        out = []
-        shell = sys.modules.get("IPython")
-        get_ipython = getattr(shell, "get_ipython", None)
-        ip = get_ipython() if get_ipython is not None else None
-        if ip is not None:
-            out.append(("__main__", ip.user_ns))
-        for name, module in list(sys.modules.items()):
-            ns = getattr(module, "__dict__", None)
-            if isinstance(ns, dict) and _is_user_module(name):
-                out.append((name, ns))
-        if not out or out[0][0] != "__main__":
-            out.insert(0, ("__main__", getattr(sys.modules.get("__main__"), "__dict__", {})))
-        return out
-
     def build(self) -> None:
         from ._world import world
 
         self.world = world()
         owners, files, scanned = {}, {}, set()
-        namespaces = self._namespaces()
+        namespaces = _origin.user_namespaces()
         for _name, ns in namespaces:
             filename = ns.get("__file__")
             if isinstance(filename, str):
@@ -1435,9 +1365,9 @@ class _Hooks:
             self.tool = None
 
     def _on_py_start(self, code, offset):
-        verdict = _file_verdicts.get(code.co_filename)
+        verdict = _origin.verdicts.get(code.co_filename)
         if verdict is None:
-            verdict = _classify_file(code.co_filename)
+            verdict = _is_user_file(code.co_filename)
         if not verdict:
             return sys.monitoring.DISABLE  # library code is never tracked: stop paying for it
         stack = self.active.get(threading.get_ident())
@@ -1457,7 +1387,7 @@ class _Hooks:
             # A C profiler (cProfile on 3.11) cannot be chained or restored from Python: leave it alone
             # and read the trace's tracebacks instead.
             return "traceback"
-        get_verdict = _file_verdicts.get
+        get_verdict = _origin.verdicts.get
 
         def hook(frame, event, arg):
             # Runs on every call and C call of the trace: keep it minimal.
@@ -1465,7 +1395,7 @@ class _Hooks:
                 code = frame.f_code
                 verdict = get_verdict(code.co_filename)
                 if verdict is None:
-                    verdict = _classify_file(code.co_filename)
+                    verdict = _is_user_file(code.co_filename)
                 if verdict:
                     for rec in stack:
                         rec._note(frame, code)
