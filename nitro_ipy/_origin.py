@@ -1,7 +1,8 @@
 """Whose code is this, and where does it live: the one place nitro_ipy decides what is user code.
 
 Fingerprinting (a user class by its code, a library class by its name), dependency recording (which
-functions a trace ran), live-class binding and the file watcher all ask here. The rule:
+functions a trace ran, and which of their files the watcher watches: not the cells) and live-class
+binding all ask here. The rule:
 
 - **library code**: files under an excluded prefix (the standard library, installed packages, nitro_ipy
   itself, and whatever `register_exclusion` adds), and pseudo-files (`<frozen ...>`, `<string>`,
@@ -24,7 +25,6 @@ from ._memo import Memo
 __all__ = [
     "class_namespace",
     "is_cell_file",
-    "is_library_file",
     "is_user_file",
     "is_user_function",
     "is_user_module",
@@ -76,11 +76,6 @@ def is_user_file(filename: str | None) -> bool:
     return _classify(filename) if verdict is None else verdict
 
 
-def is_library_file(filename: str | None) -> bool:
-    """True for the standard library, installed packages, nitro_ipy and the interpreter's pseudo-files."""
-    return not is_user_file(filename)
-
-
 def is_user_module(name: str) -> bool:
     """True for `__main__` (the notebook) and for modules loaded from a user file."""
     if name == "__main__":
@@ -100,11 +95,15 @@ def is_cell_file(filename: str) -> bool:
 
 
 def live_namespace(module: str, recorded: dict | None = None) -> dict | None:
-    """The namespace `module` names now: `sys.modules[module]`, else `recorded` (the one the code ran in).
+    """The namespace `module` names now.
 
-    `__main__` is special: an IPython shell's user namespace may not be `sys.modules["__main__"]` (a test
-    runner or an embedding host owns that), and the code ran in the user namespace, so `recorded` stays
-    authoritative for it.
+    **Arguments:**
+    - `module`: a module name, `__main__` for the notebook.
+    - `recorded`: the namespace the code ran in, if known.
+
+    **Returns:** `sys.modules[module].__dict__`, else `recorded`. For `__main__`, `recorded` wins: an
+    IPython shell's user namespace may not be `sys.modules["__main__"]` (a test runner or an embedding
+    host owns that), and the code ran in the user namespace.
     """
     mod = sys.modules.get(module)
     d = getattr(mod, "__dict__", None) if mod is not None else None

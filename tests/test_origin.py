@@ -45,12 +45,11 @@ def test_kernel_cells_are_user_code():
 @pytest.mark.parametrize("name", ["<string>", "<stdin>", "<timed exec>", "<frozen importlib._bootstrap>", "", None])
 def test_other_pseudo_files_are_library_code(name):
     assert not _origin.is_user_file(name)
-    assert _origin.is_library_file(name)
 
 
 def test_installed_packages_and_the_standard_library_are_library_code():
-    assert _origin.is_library_file(np.__file__)
-    assert _origin.is_library_file(os.__file__)
+    assert not _origin.is_user_file(np.__file__)
+    assert not _origin.is_user_file(os.__file__)
     assert not _origin.is_user_module("numpy")
     assert not _origin.is_user_module("os")
     assert not _origin.is_user_module("sys")  # a builtin module: no file
@@ -58,8 +57,8 @@ def test_installed_packages_and_the_standard_library_are_library_code():
 
 
 def test_nitro_ipy_is_library_code_wherever_it_lives():
-    assert _origin.is_library_file(_origin.__file__)
-    assert _origin.is_library_file(nitro_ipy.__file__)
+    assert not _origin.is_user_file(_origin.__file__)
+    assert not _origin.is_user_file(nitro_ipy.__file__)
     assert not _origin.is_user_module("nitro_ipy._handle")
     assert not _origin.is_user_function(nitro_ipy.cache_reset)
 
@@ -80,7 +79,7 @@ def test_registered_exclusion_is_library_code(tmp_path, monkeypatch, exclusions)
     mod = import_source(tmp_path, monkeypatch, "nitro_origin_excluded", USER_SOURCE)
     assert _origin.is_user_module("nitro_origin_excluded")  # a verdict the exclusion must replace
     _origin.register_exclusion(str(tmp_path) + os.sep)
-    assert _origin.is_library_file(mod.__file__)
+    assert not _origin.is_user_file(mod.__file__)
     assert not _origin.is_user_module("nitro_origin_excluded")
     assert not _origin.is_user_function(mod.helper)
 
