@@ -107,3 +107,9 @@ OPTIMIZATION_LEVEL_OPTION = "xla_backend_optimization_level"
 
 def default_backend() -> str:
     return jax.default_backend()
+
+
+def is_concrete_array(v) -> bool:
+    """True for a `jax.Array` holding data, not a tracer met during a trace (`jax.core.Tracer`, a class
+    JAX keeps under `jax.core`). Identity snapshots hold only concrete arrays; a tracer has none."""
+    return isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer)

@@ -160,7 +160,7 @@ def test_without_usable_tracebacks_recording_hooks_the_interpreter(user_module, 
         pytest.skip("only the traceback mode falls back")
     from nitro_ipy import _closure
 
-    monkeypatch.setattr(_closure, "_tracebacks_usable", lambda: False)
+    monkeypatch.setattr(_closure._probes, "_tracebacks_usable", lambda: False)
     m = user_module(BASE)
     rec = recorded(m.top, X)
     assert rec._mode == "profile"
