@@ -293,8 +293,8 @@ def build_solo(directory: str, x, compile_: bool) -> dict:
 def closure_stats() -> dict:
     closures = [e.closure for e in _cache.live_entries()]
     names = [len(c.names()) for c in closures]
-    checks = [len(c._checks) for c in closures]
-    distinct = len({key for c in closures for key, *_ in c._checks})
+    checks = [len(c.checks) for c in closures]
+    distinct = len({key for c in closures for key, *_ in c.checks})
     return {
         "programs": len(closures),
         "deps_per_program_mean": statistics.mean(names),
@@ -319,9 +319,9 @@ def scan_breakdown(reps: int) -> dict:
     closures = [e.closure for e in _cache.live_entries()]
     kinds = {}
     for c in closures:
-        for key, checker, args, _name in c._checks:
-            kind = checker.__name__.removeprefix("_check_")
-            if checker is _closure._check_value:
+        for key, checker, args, _name in c.checks:
+            kind = checker.__name__.removeprefix("check_")
+            if checker is _closure.check_value:
                 kind += ":" + type(args[2].get(args[4])).__name__
             kinds.setdefault(kind, {})[key] = (checker, args)
 
@@ -346,7 +346,7 @@ def scan_breakdown(reps: int) -> dict:
 
     out = {kind: {"checks": len(checks), "ms": timed(lambda checks=checks: run_checks(checks))}
            for kind, checks in kinds.items()}
-    out["disk_edits"] = {"checks": sum(len(c._files) for c in closures), "ms": timed(disk)}
+    out["disk_edits"] = {"checks": sum(len(c.file_checks) for c in closures), "ms": timed(disk)}
     return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
 
 

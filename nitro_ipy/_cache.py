@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _memo, _report
 from ._compat import evict_traces
-from ._fingerprint import is_library_file
+from ._origin import is_user_file
 from ._report import Kind
 from ._world import world
 
@@ -372,7 +372,7 @@ def _wraps_user_code(fn) -> bool:
     try:
         for _ in range(16):
             code = getattr(fn, "__code__", None)
-            if code is not None and not is_library_file(code.co_filename):
+            if code is not None and is_user_file(code.co_filename):
                 return True
             fn = getattr(fn, "__wrapped__", None)
             if fn is None:
