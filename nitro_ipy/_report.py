@@ -24,6 +24,7 @@ class Kind(str, enum.Enum):
     RECOMPILE_LOOP = "recompile-loop"  # a program kind compiled again after step 1: program, why
     EPOCH = "epoch"  # an epoch ended: record
     LARGE_CONSTANT = "large-constant"  # a program bakes in a large array: program, nbytes, shape, dtype, origin
+    MIXED_CODE = "mixed-code"  # a background run compiled a program after its code moved: program, names, others
 
     def __str__(self):
         return self.value
@@ -120,6 +121,14 @@ def _epoch_text(record: dict) -> str:
     return "nitro_ipy: " + " | ".join(parts)
 
 
+def _mixed_code_text(program: str, names: tuple, others: tuple) -> str:
+    return (
+        f"nitro_ipy: this run compiled its `{program}` program after {', '.join(names)} changed: `{program}` "
+        f"runs the new code, {', '.join(f'`{o}`' for o in others)} the code the run started with. To train "
+        f"and validate one version: `run.stop(); run.wait(); n = n.rebuild()`, then train again."
+    )
+
+
 TEXT: dict[Kind, Callable[..., str]] = {
     Kind.COMPILE: _compile_text,
     Kind.STALE_CACHE: _stale_cache_text,
@@ -128,6 +137,7 @@ TEXT: dict[Kind, Callable[..., str]] = {
     Kind.RECOMPILE_LOOP: _recompile_loop_text,
     Kind.EPOCH: _epoch_text,
     Kind.LARGE_CONSTANT: _large_constant_text,
+    Kind.MIXED_CODE: _mixed_code_text,
 }
 
 

@@ -140,6 +140,7 @@ class Run:
         return self
 
     def _main(self):
+        unsubscribe = _cache.subscribe("compile", self._on_compile)
         try:
             with _report.thread_sink(self.messages.append):
                 self._result = self._work()
@@ -148,9 +149,20 @@ class Run:
         except BaseException as err:  # noqa: BLE001 - kept for `wait()`, which raises it where it is read
             self.error = err
         finally:
+            unsubscribe()
             self.ended = time.time()
             self._done.set()
             _cache.publish("run", self)
+
+    def _on_compile(self, entry):
+        # A program this run compiles late (validation's, after epoch 1) traces the code as it is then: if
+        # a cell redefined something the run's earlier programs traced, the run now mixes two versions.
+        if threading.current_thread() is not self._thread:
+            return
+        earlier = [e for e in self.handle._programs.values() if e is not entry]
+        names, others = mixed_code(entry, earlier)
+        if names:
+            _report.emit(_report.Kind.MIXED_CODE, program=entry.kind, names=names, others=others)
 
     # ---------------------------------------------------------------- control
     def stop(self, reason: str = "stopped by `run.stop()`") -> None:
@@ -244,6 +256,26 @@ class Run:
         return f"<nitro_ipy run of {self._name()}: {what}, step {self.handle.step}{last}>"
 
 
+def _dependencies(entry) -> dict:
+    closure = entry.closure
+    if closure is None:
+        return {}
+    return {d.qualified: d.fingerprint for d in (*closure.functions, *closure.values)
+            if getattr(d, "fingerprint", None) is not None}
+
+
+def mixed_code(new, earlier) -> tuple[tuple, tuple]:
+    """The dependencies `new` traced with another fingerprint than an `earlier` entry did, and the kinds
+    of those earlier entries: `((names...), (kinds...))`, both empty when all agree."""
+    mine = _dependencies(new)
+    names, others = {}, {}
+    for entry in earlier:
+        for name, fp in _dependencies(entry).items():
+            if name in mine and mine[name] != fp:
+                names[name] = others[entry.kind] = None
+    return tuple(names), tuple(others)
+
+
 def start(handle, control: RunControl, work, epochs: int) -> Run:
     """Start `work()` (the epoch loop) in a worker thread; returns its `Run` at once."""
     return Run(handle, control, work, epochs)._start()
@@ -289,7 +321,7 @@ def set_fields(handle, values: dict) -> None:
                 f"{k}: {', '.join(f'`{n}`' for n, kk in kinds.items() if kk == k)}"
                 for k in ("Device", "Host", "GraphConst") if k in kinds.values()
             )
-            raise NitroValueError(f"`{type(b.experiment).__qualname__}` has no field `{name}` ({listing}).")
+            raise NitroValueError(f"`{type(b.experiment).__name__}` has no field `{name}` ({listing}).")
         if kind == "GraphConst":
             raise NitroTypeError(
                 f"`{name}` is a GraphConst field: it is baked into the compiled programs, so a live handle "
@@ -334,7 +366,7 @@ def _coerce(b, name: str, value) -> np.ndarray:
             f"{short_repr(cast.tolist())}. Pass a whole number."
         )
     try:
-        return np.ascontiguousarray(np.broadcast_to(cast, want.shape))
+        return np.array(np.broadcast_to(cast, want.shape))  # a copy, and 0-d stays 0-d
     except ValueError:
         raise NitroValueError(
             f"Device field `{name}` has shape {want.shape}; got shape {arr.shape}. A new shape would move "
