@@ -343,10 +343,10 @@ def revive(entry: Entry) -> None:
     handles holding it stop being stale. A live entry under the same key stays: `entry` is then only
     current again for the handles that hold it."""
     with _lock:
-        if not entry.poisoned:
-            return
-        entry.poisoned, entry.drifted = False, ()
         kept = [p for p in _state.poisoned if p.ref() is not entry]
+        if not entry.poisoned or len(kept) == len(_state.poisoned):
+            return  # not poisoned, or a released entry's summary: nothing runs it any more
+        entry.poisoned, entry.drifted = False, ()
         _state.poisoned.clear()
         _state.poisoned.extend(kept)
         _state.entries.setdefault(entry.key, entry)
