@@ -12,19 +12,21 @@ Target: background / foreground steady-state epoch <= 1.05x.
 Usage:
     python3 benchmarks/bench_runs.py            # full run (~1 min on 2 cores)
     python3 benchmarks/bench_runs.py --quick    # CI smoke run
-    python3 benchmarks/bench_runs.py --json out.json   # also write the results as JSON (`-`: stdout)
+    python3 benchmarks/bench_runs.py --json out.json   # also write the results as JSON (no PATH: stdout)
 """
 
-import argparse
-import json
+import io
 import os
 import statistics
 import sys
 import time
+from contextlib import redirect_stdout
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _harness as H  # noqa: E402
 import _models as M  # noqa: E402
+from _harness import log  # noqa: E402
 
 import jax  # noqa: E402
 
@@ -53,16 +55,11 @@ def bench(cfg: dict) -> dict:
     nitro_ipy.cache_reset()
     fg = Nitro(cls(), data=data, batch_size=cfg["batch"], progress=False)
     bg = Nitro(cls(), data=data, batch_size=cfg["batch"], progress=False)
-    _epoch(fg, False), _epoch(bg, True)  # compile (once: the second handle hits the cache) and warm up
-    _epoch(fg, False), _epoch(bg, True)
+    with redirect_stdout(io.StringIO()):  # the compile lines
+        for _ in range(2):  # compile (once: the second handle hits the cache), then warm up
+            _epoch(fg, False), _epoch(bg, True)
     misses = nitro_ipy.cache_stats().misses
-    pairs, f_all, b_all = [], [], []
-    for r in range(cfg["rounds"]):
-        order = (False, True) if r % 2 == 0 else (True, False)  # A B, then B A
-        t = {bg_: _epoch(bg if bg_ else fg, bg_) for bg_ in order}
-        pairs.append(t[True] / t[False])
-        f_all.append(t[False])
-        b_all.append(t[True])
+    f_all, b_all = H.interleaved(cfg["rounds"], lambda: _epoch(fg, False), lambda: _epoch(bg, True))
     assert nitro_ipy.cache_stats().misses == misses == 2, "a timed epoch compiled something"
     return {
         "steps": cfg["steps"],
@@ -71,33 +68,26 @@ def bench(cfg: dict) -> dict:
         "background_epoch_ms": statistics.median(b_all) * 1e3,
         "foreground_step_us": statistics.median(f_all) / cfg["steps"] * 1e6,
         "background_step_us": statistics.median(b_all) / cfg["steps"] * 1e6,
-        "ratio": statistics.median(pairs),
+        "ratio": H.paired_ratio(b_all, f_all),
         "ratio_of_best": min(b_all) / min(f_all),
+        "aa_ratio": H.aa_ratio(lambda: _epoch(fg, False), cfg["rounds"]),
     }
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON (`-`: stdout)")
-    args = parser.parse_args(argv)
-    res = bench(QUICK if args.quick else FULL)
-    ok = res["ratio"] <= TARGET
-    print(f"nitro_ipy background-run benchmark (jax {jax.__version__}, {jax.default_backend()}, "
-          f"{'quick' if args.quick else 'full'} run)")
-    print(f"tiny MLP, {res['steps']} steps per epoch, {res['rounds']} interleaved rounds:")
-    print(f"  foreground epoch {res['foreground_epoch_ms']:.1f} ms ({res['foreground_step_us']:.1f} us/step), "
-          f"background {res['background_epoch_ms']:.1f} ms ({res['background_step_us']:.1f} us/step)")
-    print(f"  background / foreground: median of paired ratios {res['ratio']:.3f}x, ratio of best epochs "
-          f"{res['ratio_of_best']:.3f}x (target <= {TARGET:.2f}x) {'OK' if ok else 'OVER'}")
-    if args.json:
-        text = json.dumps({"bench_runs": res, "target": TARGET, "ok": ok}, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text)
-    return 0
+    H.parse_args(__doc__, argv, quick="fewer steps and rounds")
+    res = bench(QUICK if H.quick() else FULL)
+    log(f"nitro_ipy background-run benchmark: {H.env_line(f'backend {jax.default_backend()}')}")
+    log(f"tiny MLP, {res['steps']} steps per epoch, {res['rounds']} interleaved rounds: foreground epoch "
+        f"{res['foreground_epoch_ms']:.1f} ms ({res['foreground_step_us']:.1f} us/step), background "
+        f"{res['background_epoch_ms']:.1f} ms ({res['background_step_us']:.1f} us/step)")
+    rows = [
+        H.Row("background / foreground epoch, paired median", f"{res['ratio']:.3f}x", f"<= {TARGET:.2f}x",
+              res["ratio"] <= TARGET),
+        H.Row("background / foreground, best epochs (context)", f"{res['ratio_of_best']:.3f}x"),
+        H.Row("foreground against itself, A/A (noise, context)", f"{res['aa_ratio']:.3f}x"),
+    ]
+    return H.finish({"target": TARGET, **res}, rows)
 
 
 if __name__ == "__main__":
