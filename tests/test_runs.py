@@ -393,3 +393,39 @@ def test_history_stays_a_list_of_dicts_and_prints_as_a_table():
     else:
         assert isinstance(table, pandas.DataFrame) and list(table.columns) == ["epoch", "loss", "valid_loss", "stopped"]
     assert repr(Nitro(Knob(), data=DATA).history.table()) in ("(no epochs yet)", "Empty DataFrame\nColumns: []\nIndex: []")
+
+
+def _main_thread_waits():
+    # Until the main thread is blocked inside `run.wait()` (read from its frame, not guessed from time).
+    main = threading.main_thread().ident
+    for _ in range(100000):
+        frame = sys._current_frames().get(main)
+        names = []
+        while frame is not None:
+            names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        if "wait" in names and any(n.startswith("test_ctrl_c_during_wait") for n in names):
+            return
+        threading.Event().wait(0.001)
+    raise AssertionError("the main thread never waited")
+
+
+def test_ctrl_c_during_wait_stops_the_run():
+    n = _handle(Steer(at=13, then=lambda: (_main_thread_waits(), os.kill(os.getpid(), signal.SIGINT))), max_epochs=5)
+    run = n.train(background=True)
+    with pytest.raises(nitro_ipy.TrainingInterrupted, match=r"^training interrupted at epoch 2, step 4/10; the handle is usable$"):
+        run.wait()
+    assert run.status == "stopped" and (n.step, n.epoch, len(n.history)) == (14, 1, 1)
+    assert "stopped (interrupted (Ctrl-C in `run.wait()`))" in repr(run)
+
+
+def test_ctrl_c_in_an_ipython_shell_prints_one_line(capsys):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    ip = InteractiveShell.instance()
+    ip.user_ns.update(_handle=_handle, os=os, signal=signal)
+    result = ip.run_cell("n = _handle(lambda s: os.kill(os.getpid(), signal.SIGINT) if s == 4 else 0.0)\nn.train()\n")
+    assert isinstance(result.error_in_exec, nitro_ipy.TrainingInterrupted)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line for line in lines if not line.startswith("nitro_ipy: compiled")] == [INTERRUPTED.format(1, 5, 10)]
+    assert ip.user_ns["n"].step == 5
