@@ -6,7 +6,8 @@ builders (`_programs.py`); the epoch loop lives in `_loop.py`. The handle owns t
 
 Internal names other code relies on (benchmarks/profile_handle.py, bench_staleness.py): `_params`,
 `_state`, `_dev` (the Device values the programs get), `_layout`, `_programs` (key -> Entry this handle
-runs), `_enter()`, and `_view`, `_forward`, `_loss`, `_optimizer`, which forward to the binding.
+runs), `_enter()`, `_run` (the background run training it, or None), and `_view`, `_forward`, `_loss`,
+`_optimizer`, which forward to the binding.
 """
 
 import jax

@@ -6,15 +6,17 @@ One kernel for the module (start-up and three small compiles: about 15 s on a qu
 """
 
 import re
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from test_kernel import Kernel, _demo, _of, _stream
-
 from _cells import TINY_EXPERIMENT
+from test_kernel import Kernel, _of, _stream
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repository's tools/ (not installed with the package)
+from tools.nbrun import kernel_manager  # noqa: E402
 
 SETUP = TINY_EXPERIMENT + textwrap.dedent(
     """
@@ -35,7 +37,7 @@ SETUP = TINY_EXPERIMENT + textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def kernel():
-    with _demo().kernel_manager() as km:
+    with kernel_manager() as km:
         km.start_kernel(cwd=str(ROOT))
         client = km.client()
         client.start_channels()
