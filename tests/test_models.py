@@ -89,10 +89,15 @@ def test_flax_linen_contract_verbatim_counts_state_and_modes():
     assert nitro_ipy.cache_stats().misses == 4
 
 
-def test_optimizer_never_sees_the_state():
-    n = Nitro(Digits(), data=_flax_data(), batch_size=16, progress=False, flat_params=False)
+def test_optimizer_never_sees_the_state_and_accum_threads_it():
+    nitro_ipy.cache_reset()
+    n = Nitro(Digits(), data={"train": _images(64)}, batch_size=8, accum=2, progress=False, flat_params=False)
     mu = n.opt_state[0].mu
     assert jax.tree_util.tree_structure(mu) == jax.tree_util.tree_structure(n.params)
+    mean0 = np.asarray(n.state["batch_stats"]["BatchNorm_0"]["mean"])
+    n.train()
+    assert nitro_ipy.cache_stats().misses == 2  # train-only: grad + opt, state or not
+    assert n.step == 4 and not np.allclose(n.state["batch_stats"]["BatchNorm_0"]["mean"], mean0)
 
 
 def test_rng_is_per_step_per_micro_batch_reproducible_and_resumed():
