@@ -1,8 +1,8 @@
 """The epoch loop: steps, the Ctrl-C gate, the progress bar and the loss checks.
 
-`train_epoch` advances a handle in place. It reads and writes the handle's `_params`, `_model_state`, `_opt_state` and `step`
-(a step's results are stored there before Ctrl-C may land) and resolves the two training programs
-through the handle's `_grad_entry` / `_opt_entry`, which key and maybe compile them.
+`train_epoch` advances a handle in place. It reads and writes the handle's `_params`, `_model_state`,
+`_opt_state` and `step` (a step's results are stored there before Ctrl-C may land) and resolves the two
+training programs through the handle's `_grad_entry` / `_opt_entry`, which key and maybe compile them.
 
 The steady-state loop is benchmarked at the microsecond level (a tiny MLP against a hand-written loop):
 calls it makes every step are bound to locals, and counters and messages wait for a sync point.
@@ -108,7 +108,8 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
                 if schedules:
                     apply_schedules(dev, n.step)
                 if stable:
-                    flat_grads, loss, n._model_state = grad_call(n._params, n._model_state, dev, batch, seed_step(n.step))
+                    flat_grads, loss, n._model_state = grad_call(n._params, n._model_state, dev, batch,
+                                                                 seed_step(n.step))
                     n._params, n._opt_state = opt_call(n._params, flat_grads, n._opt_state, dev)
                     reused += 1
                 else:  # slow path: re-key every step (and report the loop)
