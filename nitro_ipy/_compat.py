@@ -153,3 +153,48 @@ def evict_traces(is_user) -> bool:
         elif any(part in name for part in _WRAPPED_FUN_TRACE_CACHES):
             cache.cache_clear()
     return True
+
+
+# ---------------------------------------------------------------- the program store (`_store.py`)
+# Primitives whose compiled form calls back into this Python process: an executable holding one cannot be
+# stored and loaded in another process (the callback is a pointer into this one).
+HOST_CALLBACK_PRIMITIVES = ("pure_callback", "io_callback", "debug_callback", "callback", "debug_print")
+
+
+def serialize_compiled(compiled) -> tuple[bytes, object, object]:
+    """`(payload, in_tree, out_tree)` of a `jax.stages.Compiled` (`jax.experimental.serialize_executable`).
+
+    Raises where this executable cannot be serialized (JAX raises ValueError / NotImplementedError for
+    closed-over constants or mutable refs); the caller falls back to JAX's persistent compilation cache."""
+    from jax.experimental import serialize_executable
+
+    return serialize_executable.serialize(compiled)
+
+
+def deserialize_compiled(payload: bytes, in_tree, out_tree):
+    """The `jax.stages.Compiled` that `serialize_compiled` wrote, loaded on this process's default backend.
+    Runs pickle on `payload`: only for files this user's own store wrote (`_store.py` checks them first)."""
+    from jax.experimental import serialize_executable
+
+    return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+
+
+def enable_jax_compilation_cache(path: str) -> bool:
+    """Point JAX's own persistent compilation cache at `path` and cache every executable (no minimum
+    compile time or size), unless the user configured a directory of their own.
+
+    **Returns:** True when JAX's cache now writes to `path`."""
+    current = jax.config.jax_compilation_cache_dir
+    if current and current != path:
+        return False
+    if current != path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        try:  # JAX initializes its cache once per process, on the first compile: start it again at `path`
+            from jax._src import compilation_cache
+
+            compilation_cache.reset_cache()
+        except Exception:
+            pass
+    return True
