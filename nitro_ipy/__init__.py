@@ -30,6 +30,8 @@ from ._handle import predict as predict
 from ._handle import train as train
 from ._handle import validate as validate
 from ._hooks import metrics as metrics
+from ._store import cache_dir as cache_dir
+from ._store import set_cache_dir as set_cache_dir
 from ._world import bump_world as bump_world
 from ._world import world as world
 
@@ -51,6 +53,7 @@ __all__ = [
     "Unfingerprintable",
     "assert_graphconst_hashable",
     "bump_world",
+    "cache_dir",
     "cache_reset",
     "cache_stats",
     "compile_view",
@@ -62,6 +65,7 @@ __all__ = [
     "host_fields",
     "metrics",
     "predict",
+    "set_cache_dir",
     "train",
     "validate",
     "world",
