@@ -25,6 +25,7 @@ class Kind(str, enum.Enum):
     STORE_REFUSED = "store-refused"  # a stored program file was bad and deleted: name, reason
     STORE_FALLBACK = "store-fallback"  # a program cannot be stored; JAX's persistent cache takes it: program, reason, path
     STORE_OFF = "store-off"  # the program store's directory was refused: text
+    RESUMED = "resumed"  # a handle resumed from a checkpoint: path, step, epoch, notes (changed Device/Host, hooks)
 
     def __str__(self):
         return self.value
@@ -90,6 +91,12 @@ def _store_off_text(text: str) -> str:
     return text
 
 
+def _resumed_text(path: str, step: int, epoch: int, notes: tuple) -> str:
+    changed = "".join(f"\n  {line}" for line in notes)
+    return (f"nitro_ipy: resumed from {path} at step {step}, epoch {epoch}"
+            + (f"; changed since it was saved (not refused):{changed}" if notes else ""))
+
+
 def _large_constant_text(program: str, nbytes: int, shape: tuple, dtype: str, origin: str | None) -> str:
     where = f" (from {origin})" if origin else ""
     return (
@@ -149,6 +156,7 @@ TEXT: dict[Kind, Callable[..., str]] = {
     Kind.STORE_REFUSED: _store_refused_text,
     Kind.STORE_FALLBACK: _store_fallback_text,
     Kind.STORE_OFF: _store_off_text,
+    Kind.RESUMED: _resumed_text,
 }
 
 
