@@ -68,6 +68,9 @@ __all__ = [
     "FuncDep",
     "Recorder",
     "ValueDep",
+    "closure_from_records",
+    "closure_records",
+    "live_module_namespace",
     "note_class_attr",
     "record",
 ]
@@ -1488,3 +1491,76 @@ class _Hooks:
 
 
 _hooks = _Hooks()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Closures as plain records (the program store writes them to disk; another process rebuilds them)
+
+
+def closure_records(closure) -> dict:
+    """The dependency records of `closure` as plain lists (JSON): what `closure_from_records` rebuilds."""
+    values = []
+    for dep in closure.values:
+        values.append([type(dep).__name__, *dep])
+    return {
+        "functions": [list(dep) for dep in closure.functions],
+        "values": values,
+        "untracked": list(closure.untracked),
+        "anonymous": list(closure.anonymous),
+    }
+
+
+_VALUE_TYPES = {"ValueDep": ValueDep, "ClassAttrDep": ClassAttrDep, "CellDep": CellDep}
+
+
+def live_module_namespace(module: str) -> dict:
+    """The live namespace of `module`: the notebook's user namespace for `__main__`; {} if not imported."""
+    if module == "__main__":
+        shell = sys.modules.get("IPython")
+        get_ipython = getattr(shell, "get_ipython", None)
+        ip = get_ipython() if get_ipython is not None else None
+        if ip is not None:
+            return ip.user_ns
+    ns = getattr(sys.modules.get(module), "__dict__", None)
+    return ns if isinstance(ns, dict) else {}
+
+
+def closure_from_records(records: dict):
+    """A `_closure.Closure` over the live namespaces, checking the recorded fingerprints.
+
+    The one place a closure is made from records (the program store's, `_store.py`): the checks are
+    the ones `_Builder.build` makes at record time, with no identity snapshot (every value is compared
+    by content fingerprint)."""
+    functions = [FuncDep(*r) for r in records["functions"]]
+    values = [_VALUE_TYPES[r[0]](*r[1:]) for r in records["values"]]
+    anonymous = set(records["anonymous"])
+    checks, files = [], []
+    spaces = {}
+
+    def ns_of(module):
+        if module not in spaces:
+            spaces[module] = live_module_namespace(module)
+        return spaces[module]
+
+    covered = {(v.module, v.name) for v in values if type(v) is ValueDep and v.fingerprint}
+    for dep in functions:
+        ns = ns_of(dep.module)
+        anon = dep.qualified in anonymous
+        if not anon and (dep.module, dep.qualname) not in covered:
+            nskey, key = ("N", dep.module, id(ns)), ("F", dep.module, id(ns), dep.qualname)
+            args = (nskey, dep.module, ns, key, dep.qualname, dep.fingerprint, None)
+            checks.append((key + (dep.fingerprint,), _check_function, args, dep.qualified))
+        if dep.file_digest is not None:
+            files.append((dep, ns, anon))
+    for dep in values:
+        ns = ns_of(dep.module)
+        nskey = ("N", dep.module, id(ns))
+        if type(dep) is ValueDep:
+            key = ("V", dep.module, id(ns), dep.name)
+            args = (nskey, dep.module, ns, key, dep.name, dep.fingerprint, None)
+            checks.append((key + (dep.fingerprint,), _check_value, args, dep.qualified))
+        elif type(dep) is ClassAttrDep and dep.qualified not in anonymous:
+            key = ("A", dep.module, id(ns), dep.cls_qualname, dep.name)
+            args = (nskey, dep.module, ns, key, dep.cls_qualname, dep.name, dep.fingerprint, None)
+            checks.append((key + (dep.fingerprint,), _check_class_attr, args, dep.qualified))
+    return Closure(functions, values, records["untracked"], records["anonymous"], checks, files)

@@ -74,7 +74,7 @@ def compile_program(
     try:
         # A program stored by an earlier process, valid here and against the live code, is loaded
         # instead of traced (`_store.py`); it still counts as a miss that creates an entry.
-        why = explain_miss(key, info or {}, _cache.live_entries() + _cache.poisoned_entries())
+        why = explain_miss(key, info or {}, _cache.explanation_candidates())
         entry = _store.load(key, info, why) if record is not None else None
         if entry is None:
             entry = _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, why)

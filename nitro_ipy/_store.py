@@ -210,76 +210,6 @@ def _mismatch(recorded: dict) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------- closures as plain records
-def closure_records(closure) -> dict:
-    """The dependency records of `closure` as plain lists (JSON): what `closure_from_records` rebuilds."""
-    values = []
-    for dep in closure.values:
-        values.append([type(dep).__name__, *dep])
-    return {
-        "functions": [list(dep) for dep in closure.functions],
-        "values": values,
-        "untracked": list(closure.untracked),
-        "anonymous": list(closure.anonymous),
-    }
-
-
-_VALUE_TYPES = {"ValueDep": _closure.ValueDep, "ClassAttrDep": _closure.ClassAttrDep, "CellDep": _closure.CellDep}
-
-
-def _namespace(module: str) -> dict:
-    """The live namespace of `module`: the notebook's user namespace for `__main__`; {} if not imported."""
-    if module == "__main__":
-        shell = sys.modules.get("IPython")
-        get_ipython = getattr(shell, "get_ipython", None)
-        ip = get_ipython() if get_ipython is not None else None
-        if ip is not None:
-            return ip.user_ns
-    ns = getattr(sys.modules.get(module), "__dict__", None)
-    return ns if isinstance(ns, dict) else {}
-
-
-def closure_from_records(records: dict):
-    """A `_closure.Closure` over the live namespaces, checking the recorded fingerprints.
-
-    The one place a closure is made from records: the checks are the ones `_closure` builds at record
-    time, with no identity snapshot (every value is compared by content fingerprint)."""
-    C = _closure
-    functions = [C.FuncDep(*r) for r in records["functions"]]
-    values = [_VALUE_TYPES[r[0]](*r[1:]) for r in records["values"]]
-    anonymous = set(records["anonymous"])
-    checks, files = [], []
-    spaces = {}
-
-    def ns_of(module):
-        if module not in spaces:
-            spaces[module] = _namespace(module)
-        return spaces[module]
-
-    covered = {(v.module, v.name) for v in values if type(v) is C.ValueDep and v.fingerprint}
-    for dep in functions:
-        ns = ns_of(dep.module)
-        anon = dep.qualified in anonymous
-        if not anon and (dep.module, dep.qualname) not in covered:
-            nskey, key = ("N", dep.module, id(ns)), ("F", dep.module, id(ns), dep.qualname)
-            args = (nskey, dep.module, ns, key, dep.qualname, dep.fingerprint, None)
-            checks.append((key + (dep.fingerprint,), C._check_function, args, dep.qualified))
-        if dep.file_digest is not None:
-            files.append((dep, ns, anon))
-    for dep in values:
-        ns = ns_of(dep.module)
-        nskey = ("N", dep.module, id(ns))
-        if type(dep) is C.ValueDep:
-            key = ("V", dep.module, id(ns), dep.name)
-            args = (nskey, dep.module, ns, key, dep.name, dep.fingerprint, None)
-            checks.append((key + (dep.fingerprint,), C._check_value, args, dep.qualified))
-        elif type(dep) is C.ClassAttrDep and dep.qualified not in anonymous:
-            key = ("A", dep.module, id(ns), dep.cls_qualname, dep.name)
-            args = (nskey, dep.module, ns, key, dep.cls_qualname, dep.name, dep.fingerprint, None)
-            checks.append((key + (dep.fingerprint,), C._check_class_attr, args, dep.qualified))
-    return C.Closure(functions, values, records["untracked"], records["anonymous"], checks, files)
-
-
 # ---------------------------------------------------------------- files
 def key_digest(key) -> str:
     """The file name of `key`'s program: a digest of the key's repr (tuples of strings: stable)."""
@@ -291,7 +221,7 @@ class _TreeUnpickler(pickle.Unpickler):
 
     def find_class(self, module, name):
         if module == "__main__":
-            ns = _namespace("__main__")
+            ns = _closure.live_module_namespace("__main__")
             obj = ns
             try:
                 for part in name.split("."):
@@ -344,7 +274,7 @@ def save(entry) -> bool:
         "validity": validity(),
         "key": repr(entry.key),
         "kind": entry.kind,
-        "closure": closure_records(entry.closure),
+        "closure": _closure.closure_records(entry.closure),
         "meta": {
             "trace_s": entry.trace_s,
             "compile_s": entry.compile_s,
@@ -444,7 +374,7 @@ def load(key, info: dict | None = None, why: str | None = None):
             raise BadFile(f"foreign: {problem}")
         if header.get("key") != repr(key):
             return None  # a digest collision, or another key's file: not ours to judge
-        closure = closure_from_records(header["closure"])
+        closure = _closure.closure_from_records(header["closure"])
         meta = header["meta"]
     except BadFile as err:
         _refuse(path, str(err))

@@ -121,8 +121,8 @@ def test_closure_records_round_trip_and_still_see_drift(store):
     global SCALE
     _train()
     entry = next(e for e in nitro_ipy._cache.live_entries() if e.kind == "grad")
-    records = json.loads(json.dumps(_store.closure_records(entry.closure)))
-    rebuilt = _store.closure_from_records(records)
+    records = json.loads(json.dumps(nitro_ipy._closure.closure_records(entry.closure)))
+    rebuilt = nitro_ipy._closure.closure_from_records(records)
     assert rebuilt.names() == entry.closure.names()
     assert rebuilt.drift({}) == []
     old, SCALE = SCALE, 5.0
