@@ -179,9 +179,10 @@ def deserialize_compiled(payload: bytes, in_tree, out_tree):
     return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
 
 
-def enable_jax_compilation_cache(path: str) -> bool:
+def enable_jax_compilation_cache(path: str, max_bytes: int = -1) -> bool:
     """Point JAX's own persistent compilation cache at `path` and cache every executable (no minimum
-    compile time or size), unless the user configured a directory of their own.
+    compile time or size; at most `max_bytes`, least recently used first), unless the user configured a
+    directory of their own.
 
     **Returns:** True when JAX's cache now writes to `path`."""
     current = jax.config.jax_compilation_cache_dir
@@ -191,6 +192,13 @@ def enable_jax_compilation_cache(path: str) -> bool:
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        import importlib.util
+
+        if max_bytes > 0 and importlib.util.find_spec("filelock") is not None:  # JAX's cap needs filelock
+            try:
+                jax.config.update("jax_compilation_cache_max_size", int(max_bytes))
+            except Exception:  # an older JAX without a size cap
+                pass
         try:  # JAX initializes its cache once per process, on the first compile: start it again at `path`
             from jax._src import compilation_cache
 

@@ -12,7 +12,7 @@ runs), `_enter()`, and `_view`, `_forward`, `_loss`, `_optimizer`, which forward
 import jax
 import numpy as np
 
-from . import _cache, _checkpoint, _closure, _compile, _loop, _report
+from . import _cache, _checkpoint, _closure, _compile, _loop, _report, _store
 from ._binding import bind
 from ._data import check_splits, eval_batches, split_len, steps_per_epoch
 from ._errors import NitroTypeError, NitroValueError
@@ -78,6 +78,7 @@ class Nitro:
                                       "pass it (or a checkpoint file as `resume=`).")
             resume = _checkpoint.newest(checkpoint_dir)
         options["checkpoints"] = checkpoints
+        _store.activate()  # before setup: its eager operations compile too
         self._setup(e, options, carry=None)
         if resume is not None:
             _checkpoint.restore(self, resume)

@@ -244,6 +244,18 @@ def unstorable_reason(jaxpr, closure) -> str | None:
     return None
 
 
+def activate() -> bool:
+    """Called before a handle's setup runs: check the directory, and point JAX's own persistent cache
+    at `<cache dir>/xla` for the process, so the eager operations of setup (`init`'s random draws, the
+    optimizer state's zeros) skip XLA after a restart too; they are most of a restart otherwise. A
+    directory the user gave JAX is left alone. Returns True when the store is on."""
+    programs = active_dir()
+    if programs is None:
+        return False
+    enable_jax_compilation_cache(os.path.join(os.path.dirname(programs), "xla"), max_bytes())
+    return True
+
+
 def fallback(key, reason: str) -> bool:
     """Route the next XLA compile through JAX's own persistent cache (in the store's directory), and say
     so once per program. Returns True when JAX's cache is on."""
@@ -251,7 +263,7 @@ def fallback(key, reason: str) -> bool:
     if programs is None:
         return False
     xla = os.path.join(os.path.dirname(programs), "xla")
-    on = enable_jax_compilation_cache(xla)
+    on = enable_jax_compilation_cache(xla, max_bytes())
     if key not in _fallbacks:
         _fallbacks.add(key)
         _report.emit(Kind.STORE_FALLBACK, program=key.kind, reason=reason, path=xla if on else None)
@@ -421,10 +433,29 @@ def _files(programs: str) -> list:
     return out
 
 
+def _xla_files(programs: str) -> list:
+    """JAX's own cache files next to the programs (`<cache dir>/xla`): they count toward the cap too."""
+    out = []
+    xla = os.path.join(os.path.dirname(programs), "xla")
+    try:
+        with os.scandir(xla) as it:
+            for e in it:
+                try:
+                    st = e.stat()
+                except OSError:
+                    continue
+                if e.is_file():
+                    out.append((max(st.st_mtime, st.st_atime), st.st_size, e.path))
+    except OSError:
+        pass
+    return out
+
+
 def evict(programs: str, cap: int | None = None) -> int:
-    """Delete least recently used programs until the store holds at most `cap` bytes; returns how many."""
+    """Delete least recently used programs (and JAX cache files) until the store holds at most `cap`
+    bytes; returns how many files went."""
     cap = max_bytes() if cap is None else cap
-    files = _files(programs)
+    files = _files(programs) + _xla_files(programs)
     total = sum(size for _, size, _ in files)
     removed = 0
     for _mtime, size, path in sorted(files):

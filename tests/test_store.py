@@ -28,6 +28,15 @@ def store(tmp_path):
     yield path
     _store._override = _store._UNSET  # back to the environment's choice (off in tests)
     _store._max_bytes = None
+    _forget_jax_cache()
+
+
+def _forget_jax_cache():
+    """The store pointed JAX's own cache at the (temporary) directory: point it nowhere again."""
+    from jax._src import compilation_cache
+
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()
 
 
 @pytest.fixture
@@ -230,25 +239,19 @@ def test_a_program_with_a_host_callback_goes_through_jax_cache(store, messages):
             jax.debug.callback(lambda v: None, outputs[0])
             return jnp.mean((outputs - y) ** 2)
 
-    try:
-        _train(Printing())
-        fallback = [m for m in messages if m.kind == _report.Kind.STORE_FALLBACK]
-        assert [m.data["program"] for m in fallback] == ["grad", "eval"]
-        assert fallback[0].text.startswith("nitro_ipy: the `grad` program cannot be stored (it calls back into Python")
-        assert f"JAX's persistent compilation cache in {store / 'xla'}" in fallback[0].text
-        assert jax.config.jax_compilation_cache_dir == str(store / "xla")
-        assert len(_files(store)) == 1  # the optimizer program only
-    finally:
-        jax.config.update("jax_compilation_cache_dir", None)
-        from jax._src import compilation_cache
-
-        compilation_cache.reset_cache()
+    _train(Printing())
+    fallback = [m for m in messages if m.kind == _report.Kind.STORE_FALLBACK]
+    assert [m.data["program"] for m in fallback] == ["grad", "eval"]
+    assert fallback[0].text.startswith("nitro_ipy: the `grad` program cannot be stored (it calls back into Python")
+    assert f"JAX's persistent compilation cache in {store / 'xla'}" in fallback[0].text
+    assert jax.config.jax_compilation_cache_dir == str(store / "xla")
+    assert len(_files(store)) == 1  # the optimizer program only
 
 
 def test_reset_disk_magic_clears_and_stats_show_the_store(store):
-    from IPython.testing.globalipapp import get_ipython
+    from IPython.core.interactiveshell import InteractiveShell
 
-    ip = get_ipython()
+    ip = InteractiveShell.instance()
     ip.run_line_magic("load_ext", "nitro_ipy")
     try:
         _train()
