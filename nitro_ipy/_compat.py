@@ -155,6 +155,12 @@ def evict_traces(is_user) -> bool:
     return True
 
 
+def is_concrete_array(v) -> bool:
+    """True for a `jax.Array` holding data, not a tracer met during a trace (`jax.core.Tracer`, a class
+    JAX keeps under `jax.core`). Identity snapshots hold only concrete arrays; a tracer has none."""
+    return isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer)
+
+
 # ---------------------------------------------------------------- the program store (`_store.py`)
 # Primitives whose compiled form calls back into this Python process: an executable holding one cannot be
 # stored and loaded in another process (the callback is a pointer into this one).

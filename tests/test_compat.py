@@ -102,3 +102,16 @@ def test_enable_jax_compilation_cache_points_jax_at_a_directory_and_leaves_a_use
         jax.config.update("jax_compilation_cache_dir", None)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
         compilation_cache.reset_cache()
+
+
+def test_concrete_arrays_are_told_from_tracers():
+    seen = []
+
+    def fn(x):
+        seen.append(_compat.is_concrete_array(x))
+        return x
+
+    jax.jit(fn).trace(np.ones(2, np.float32))
+    assert seen == [False]
+    assert _compat.is_concrete_array(jax.numpy.ones(2))
+    assert not _compat.is_concrete_array(np.ones(2))
