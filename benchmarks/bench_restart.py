@@ -18,7 +18,6 @@ Usage:
     python3 benchmarks/bench_restart.py --json out.json
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -94,58 +93,58 @@ def run_child(mode: str, cache: str) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json")
-    ap.add_argument("--child", nargs=2)
-    args = ap.parse_args()
-    if args.child:
-        print(json.dumps(child(*args.child)))
-        return
-    rounds = 1 if args.quick else 3
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        print(json.dumps(child(sys.argv[2], sys.argv[3])))
+        return 0
+    sys.path.insert(0, HERE)
+    import _harness as H
+
+    H.parse_args(__doc__)
+    rounds = 1 if H.quick() else 3
+    H.log(H.env_line(f"{rounds} round(s)"))
+    # A round: one cold and one warm process per side, on a fresh directory; sides alternate per round.
     rows = {"nitro": [], "jit": []}
-    saves = []
-    for _ in range(rounds):
-        for mode in ("nitro", "jit"):
+
+    def side(mode):
+        def run():
             with tempfile.TemporaryDirectory() as d:
                 os.chmod(d, 0o700)
                 cold = run_child(mode, d)
                 warm = run_child(mode, d)
+            if mode == "nitro":  # the restart loaded grad and opt, traced and compiled nothing
+                assert warm["from_disk"] == warm["compiled"] == 2 and cold["from_disk"] == 0, (cold, warm)
             rows[mode].append((cold, warm))
-            if mode == "nitro":
-                saves.append(warm["save_s"] / warm["epoch_s"])
-                assert warm["from_disk"] == warm["compiled"] == 2, warm  # grad + opt, nothing traced
-    ratio = {m: statistics.median(w["first_epoch_s"] / c["first_epoch_s"] for c, w in r) for m, r in rows.items()}
+            return warm["first_epoch_s"] / cold["first_epoch_s"]
+        return run
+
+    ratio_n, ratio_j = H.interleaved(rounds, side("nitro"), side("jit"))
+    restart, jit_restart = statistics.median(ratio_n), statistics.median(ratio_j)
+    vs = H.paired_ratio(ratio_n, ratio_j)
+    saves = [w["save_s"] / w["epoch_s"] for _, w in rows["nitro"]]
     med = {m: (statistics.median(c["first_epoch_s"] for c, _ in r), statistics.median(w["first_epoch_s"] for _, w in r))
            for m, r in rows.items()}
-    results = {
-        "restart": ratio["nitro"],
-        "jit_restart_with_jax_cache": ratio["jit"],
-        "vs_jax_cache": ratio["nitro"] / ratio["jit"],
-        "save": statistics.median(saves),
+    res = {
+        "restart": restart, "jit_restart_with_jax_cache": jit_restart, "vs_jax_cache": vs,
+        "save_of_epoch": statistics.median(saves),
         "seconds": {m: {"cold": c, "restart": w} for m, (c, w) in med.items()},
         "epoch_s": statistics.median(w["epoch_s"] for _, w in rows["nitro"]),
         "save_s": statistics.median(w["save_s"] for _, w in rows["nitro"]),
-        "rounds": rounds,
     }
-    print(f"120-layer MLP ({CFG['depth']} layers, {CFG['steps']} steps of {CFG['batch']}), {rounds} round(s), medians:")
-    for m, label in (("nitro", "nitro_ipy (program store)"), ("jit", "jax.jit loop (JAX persistent cache)")):
+    H.log(f"120-layer MLP, {CFG['steps']} steps of {CFG['batch']}: first cell to the end of epoch 1, medians")
+    for m, label in (("nitro", "nitro_ipy (program store)"), ("jit", "jax.jit loop (JAX's persistent cache)")):
         c, w = med[m]
-        print(f"  {label:38s} cold {c:6.2f} s  restart {w:6.2f} s  ratio {ratio[m]:.3f}x")
-    print(f"  restart ratio, nitro vs jax.jit+cache: {results['vs_jax_cache']:.3f} (target <= {TARGETS['vs_jax_cache']})"
-          f"  {'ok' if results['vs_jax_cache'] <= TARGETS['vs_jax_cache'] else 'MISSED'}")
-    print(f"  nitro restart ratio: {ratio['nitro']:.3f}x (target <= {TARGETS['restart']})"
-          f"  {'ok' if ratio['nitro'] <= TARGETS['restart'] else 'MISSED'}")
-    print(f"  checkpoint save: {results['save_s'] * 1e3:.1f} ms = {results['save']:.3f} of an epoch "
-          f"({results['epoch_s']:.3f} s; target < {TARGETS['save']})  {'ok' if results['save'] < TARGETS['save'] else 'MISSED'}")
-    if args.json:
-        text = json.dumps(results, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text)
+        H.log(f"  {label:38s} cold {c:6.2f} s  restart {w:6.2f} s")
+    rows_out = [
+        H.Row("restart / cold, nitro_ipy", f"{restart:.3f}x", f"<= {TARGETS['restart']}", restart <= TARGETS["restart"]),
+        H.Row("restart / cold, jax.jit + JAX cache", f"{jit_restart:.3f}x"),
+        H.Row("nitro's ratio / jax.jit's ratio", f"{vs:.3f}", f"<= {TARGETS['vs_jax_cache']}", vs <= TARGETS["vs_jax_cache"]),
+        H.Row("checkpoint save / epoch", f"{res['save_of_epoch']:.3f}", f"< {TARGETS['save']}",
+              res["save_of_epoch"] < TARGETS["save"]),
+        H.Row("checkpoint save (ms)", f"{res['save_s'] * 1e3:.1f}"),
+        H.Row("steady epoch (s)", f"{res['epoch_s']:.3f}"),
+    ]
+    return H.finish(res, rows_out)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
