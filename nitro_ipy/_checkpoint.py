@@ -302,7 +302,8 @@ def restore(n, path) -> None:
         state[group] = None if tree is None else jax.device_put(jax.tree_util.tree_unflatten(treedef, arrays))
     set_handle_state(n, state)
     n.step, n.epoch, n.seed = info["step"], info["epoch"], info["seed"]
-    n.history = list(info.get("history", []))
+    n.history.clear()  # the handle's own history object (a list of rows), refilled
+    n.history.extend(info.get("history", []))
     _report.emit(Kind.RESUMED, path=str(path), step=n.step, epoch=n.epoch, notes=tuple(notes))
 
 

@@ -7,8 +7,10 @@ from (front ends key on the kind and read the data, never parse the text). The c
 place. Front ends install a sink (`set_sink`).
 """
 
+import contextlib
 import enum
 import sys
+import threading
 from typing import Callable, NamedTuple
 
 
@@ -26,6 +28,7 @@ class Kind(str, enum.Enum):
     STORE_FALLBACK = "store-fallback"  # a program cannot be stored; JAX's persistent cache takes it: program, reason, path
     STORE_OFF = "store-off"  # the program store's directory was refused: text
     RESUMED = "resumed"  # a handle resumed from a checkpoint: path, step, epoch, notes (changed Device/Host, hooks)
+    MIXED_CODE = "mixed-code"  # a background run compiled a program after its code moved: program, names, others
 
     def __str__(self):
         return self.value
@@ -142,7 +145,17 @@ def _epoch_text(record: dict) -> str:
     for k, v in record.items():
         if k != "epoch" and isinstance(v, float):
             parts.append(f"{k} {v:.4g}")
+    if record.get("stopped"):  # early stopping fired at this epoch (`_runs.EarlyStop`)
+        parts.append(f"stopped: {record['stopped']}")
     return "nitro_ipy: " + " | ".join(parts)
+
+
+def _mixed_code_text(program: str, names: tuple, others: tuple) -> str:
+    return (
+        f"nitro_ipy: this run compiled its `{program}` program after {', '.join(names)} changed: `{program}` "
+        f"runs the new code, {', '.join(f'`{o}`' for o in others)} the code the run started with. To train "
+        f"and validate one version: `run.stop(); run.wait(); n = n.rebuild()`, then train again."
+    )
 
 
 TEXT: dict[Kind, Callable[..., str]] = {
@@ -157,6 +170,7 @@ TEXT: dict[Kind, Callable[..., str]] = {
     Kind.STORE_FALLBACK: _store_fallback_text,
     Kind.STORE_OFF: _store_off_text,
     Kind.RESUMED: _resumed_text,
+    Kind.MIXED_CODE: _mixed_code_text,
 }
 
 
@@ -171,17 +185,32 @@ def print_sink(msg: Message) -> None:
 
 
 _sink: Callable[[Message], None] = print_sink
+# A thread's own sink, over the process-wide one: a background run collects its messages here, so its
+# worker thread never prints into whichever cell runs now, nor touches a widget (`_runs.py`).
+_local = threading.local()
 
 
 def emit(kind: Kind, **data) -> Message:
     """Compose the message and send it to the current sink; a failing sink degrades to plain text, never
     raises."""
     msg = message(kind, **data)
+    target = getattr(_local, "sink", None) or _sink
     try:
-        _sink(msg)
+        target(msg)
     except Exception:
         print_sink(msg)
     return msg
+
+
+@contextlib.contextmanager
+def thread_sink(fn: Callable[[Message], None]):
+    """Send the messages this thread emits inside the block to `fn` instead of the current sink."""
+    previous = getattr(_local, "sink", None)
+    _local.sink = fn
+    try:
+        yield fn
+    finally:
+        _local.sink = previous
 
 
 def sink() -> Callable[[Message], None]:
