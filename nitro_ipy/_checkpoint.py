@@ -17,7 +17,6 @@ field-level diff, and lists changed Device/Host fields and edited hooks without 
 import functools
 import glob
 import hashlib
-import io
 import json
 import os
 import re
@@ -179,12 +178,10 @@ def save(n, path) -> str:
     info["layout"] = layout
     arrays = {"data": np.frombuffer(b"".join(chunks), np.uint8),
               _MANIFEST: np.frombuffer(json.dumps(info, sort_keys=True).encode(), np.uint8)}
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-", suffix=".part")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(buf.getvalue())
+            np.savez(f, **arrays)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
