@@ -37,7 +37,6 @@ def child(mode: str, cache: str) -> dict:
     if mode == "nitro":
         os.environ["NITRO_IPY_CACHE_DIR"] = cache
     import jax
-    import numpy as np
 
     import _models as M
 

@@ -16,7 +16,6 @@ field-level diff, and lists changed Device/Host fields and edited hooks without 
 
 import functools
 import glob
-import hashlib
 import json
 import os
 import re

@@ -107,7 +107,7 @@ def test_a_stored_program_loads_after_a_reset_and_counts_as_a_miss(store, messag
     assert jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), first.params, second.params) == {"w1": True, "w2": True}
     table = _stats.stats_table()
     assert [r.state for r in table.rows] == ["live, from disk"] * 3
-    assert repr(table).splitlines()[-1].startswith(f"nitro_ipy program store: 3 programs, ")
+    assert repr(table).splitlines()[-1].startswith("nitro_ipy program store: 3 programs, ")
     assert repr(table).splitlines()[-1].endswith(f"in {store} ({_store.loaded_count} loaded from disk this session)")
 
 
