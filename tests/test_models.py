@@ -380,3 +380,13 @@ def test_given_params_and_state_start_the_run_and_are_checked():
     assert "`params['Dense_0']['kernel']`: expected float32[128, 2], got float32[10, 2]" in str(info.value)
     with pytest.raises(NitroValueError, match=r"`state\['batch_stats'\]\['BatchNorm_0'\]\['mean'\]` missing"):
         Nitro(Digits(), data=_flax_data(), progress=False, params=n.params, state={})
+
+
+def test_a_checkpoint_carries_the_model_state(tmp_path):
+    n = Nitro(Digits(), data={"train": _images(32)}, batch_size=16, progress=False)
+    n.train()
+    path = n.save(tmp_path)
+    m = Nitro(Digits(), data={"train": _images(32)}, batch_size=16, progress=False, resume=path)
+    assert m.step == n.step == 2
+    jax.tree.map(np.testing.assert_array_equal, m.state, n.state)
+    jax.tree.map(np.testing.assert_array_equal, m.params, n.params)
