@@ -12,7 +12,7 @@ runs), `_enter()`, and `_view`, `_forward`, `_loss`, `_optimizer`, which forward
 import jax
 import numpy as np
 
-from . import _cache, _closure, _compile, _loop, _report
+from . import _cache, _closure, _compile, _html, _loop, _progress, _report
 from ._binding import bind
 from ._data import check_splits, eval_batches, split_len, steps_per_epoch
 from ._errors import NitroTypeError, NitroValueError
@@ -196,16 +196,36 @@ class Nitro:
             )
         fields = sorted(set(b.routes["forward"].pick(split)) | set(b.routes["loss"].pick(split)))
         rows = []
-        for _ in range(self.max_epochs if epochs is None else epochs):
-            row = {"epoch": self.epoch + 1, "loss": _loop.train_epoch(self, split, fields, steps)}
-            self.epoch += 1
-            if "valid" in b.splits:
-                row.update({f"valid_{k}": v for k, v in self._evaluate("valid").items()})
-            self.history.append(row)
-            rows.append(row)
-            if self.progress:
-                _report.emit(Kind.EPOCH, record=row)  # `record` is the EPOCH message's field name
+        epochs = self.max_epochs if epochs is None else epochs
+        progress = self.__dict__["_progress"] = _progress.start(self, epochs, steps)  # the loop reads it
+        try:
+            for _ in range(epochs):
+                row = {"epoch": self.epoch + 1, "loss": _loop.train_epoch(self, split, fields, steps)}
+                self.epoch += 1
+                if "valid" in b.splits:
+                    row.update({f"valid_{k}": v for k, v in self._evaluate("valid").items()})
+                self.history.append(row)
+                rows.append(row)
+                if progress is not None:
+                    progress.end_epoch(row)
+                    _report.emit(Kind.EPOCH, record=row)  # `record` is the EPOCH message's field name
+        except BaseException as err:
+            if progress is not None:
+                progress.close(err)
+            raise
+        finally:
+            self.__dict__["_progress"] = None
+        if progress is not None:
+            progress.close()
         return rows
+
+    def plot(self) -> "_html.LossChart":
+        """The loss chart of this handle's training: train loss at each sync point (per epoch when it
+        trained with `progress=False`), validation loss per epoch, as the live panel draws it. Displays as
+        SVG in a notebook and as a one-line summary elsewhere."""
+        curve = self.__dict__.get("_curve") or [(r["epoch"], r["loss"]) for r in self.history]
+        valid = [(float(r["epoch"]), r["valid_loss"]) for r in self.history if "valid_loss" in r]
+        return _html.LossChart(curve, valid)
 
     def validate(self) -> dict:
         """Evaluate on the `valid` split: `{"loss": ..., <metric>: ...}`."""
