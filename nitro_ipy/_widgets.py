@@ -161,7 +161,8 @@ class ActionButton:
     def end(self):
         if self.handle is not None:
             self.handle.update(self.final())
-        self.widget.close()
+        for model in (self.widget.layout, self.widget.style, self.widget):  # the button's parts are models too
+            model.close()
 
 
 class RebuildButton(ActionButton):

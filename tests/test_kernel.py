@@ -235,6 +235,7 @@ def test_nitro_panel_is_html_updated_in_place(session):
         f"entries {stats[2] + 3} | poisoned 4 | latest compile: eval [forward, loss] in "
     )
     last_latest = [u for u in updates if u["transient"]["display_id"] == ids[1]][-1]
-    assert "GraphConst `hidden`: " in last_latest["data"]["text/html"]
+    assert last_latest["data"]["text/plain"].endswith("(GraphConst `hidden`: 4 -> 5, and 2 argument changes that follow)")
+    assert "hidden</code>: 4 -&gt; 5, and 2 argument changes that follow</div>" in last_latest["data"]["text/html"]
     assert "shape" not in last_latest["data"]["text/html"]
     assert _widget_opens(messages) == {}
