@@ -18,7 +18,8 @@ _TONES = {
     "error": ("var(--jp-error-color1, #d32f2f)", "rgba(211, 47, 47, 0.10)"),
     "plain": ("var(--jp-border-color1, #9e9e9e)", "transparent"),
 }
-_FONT = ("font-family: var(--jp-ui-font-family, system-ui, -apple-system, 'Segoe UI', sans-serif); "
+# No quotes inside a style value: every style here sits in a single-quoted attribute.
+_FONT = ("font-family: var(--jp-ui-font-family, system-ui, -apple-system, sans-serif); "
          "font-size: var(--jp-content-font-size1, 14px); line-height: 1.4; "
          "color: var(--jp-content-font-color1, inherit)")
 _MONO = "font-family: var(--jp-code-font-family, monospace); font-size: var(--jp-code-font-size, 13px)"
@@ -93,7 +94,8 @@ def _nice(lo: float, hi: float) -> tuple:
     return lo - pad, hi + pad
 
 
-def loss_svg(train: list, valid: list, epochs: float | None = None, size: tuple = CHART_SIZE) -> str:
+def loss_svg(train: list, valid: list, epochs: float | None = None, size: tuple = CHART_SIZE,
+             start: float = 0.0) -> str:
     """The loss chart as inline SVG: train loss at sync points (a line), validation loss per epoch (dots).
 
     **Arguments:**
@@ -101,6 +103,7 @@ def loss_svg(train: list, valid: list, epochs: float | None = None, size: tuple 
     - `train`, `valid`: `(epoch, loss)` points, the epoch fractional within an epoch.
     - `epochs`: the x-axis end (the planned epochs), or None for the last point's.
     - `size`: `(width, height)` in px.
+    - `start`: the x-axis origin (the epoch the chart starts at).
 
     **Returns:** the `<svg>` element, or "" when there is nothing to draw.
     """
@@ -108,8 +111,9 @@ def loss_svg(train: list, valid: list, epochs: float | None = None, size: tuple 
     if not pts:
         return ""
     w, h = size
-    left, right, top, bottom = 46, 10, 8, 22
-    x0, x1 = 0.0, max(epochs or 0, max(x for x, _ in pts), 1e-9)
+    left, right, top, bottom = 46, 14, 8, 22
+    x0 = min(start, min(x for x, _ in pts))
+    x1 = max(epochs or 0, max(x for x, _ in pts), x0 + 1e-9)
     y0, y1 = _nice(min(y for _, y in pts), max(y for _, y in pts))
     sx = lambda x: left + (x - x0) / (x1 - x0) * (w - left - right)
     sy = lambda y: top + (y1 - y) / (y1 - y0) * (h - top - bottom)
@@ -121,11 +125,13 @@ def loss_svg(train: list, valid: list, epochs: float | None = None, size: tuple 
         y = y0 + (y1 - y0) * (i + 0.5) / 3
         out.append(f"<line x1='{left}' x2='{w - right}' y1='{sy(y):.1f}' y2='{sy(y):.1f}' style='stroke: {grid}'/>"
                    f"<text x='{left - 4}' y='{sy(y) + 3:.1f}' text-anchor='end' style='fill: {fg}'>{y:.3g}</text>")
-    out.append(f"<text x='{left}' y='{h - 6}' style='fill: {fg}'>0</text><text x='{w - right}' y='{h - 6}' "
+    out.append(f"<text x='{left}' y='{h - 6}' style='fill: {fg}'>{x0:.3g}</text><text x='{w - right}' y='{h - 6}' "
                f"text-anchor='end' style='fill: {fg}'>epoch {x1:.3g}</text>")
     if train:
         path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in train)
         out.append(f"<polyline style='fill: none; stroke: {train_c}; stroke-width: 1.5' points='{path}'/>")
+        if len(train) < 3:  # a line of one or two points hardly shows: mark them
+            out.extend(f"<circle cx='{sx(x):.1f}' cy='{sy(y):.1f}' r='2' style='fill: {train_c}'/>" for x, y in train)
     for x, y in valid:
         out.append(f"<circle cx='{sx(x):.1f}' cy='{sy(y):.1f}' r='3' style='fill: {valid_c}'/>")
     legend = [("train loss", train_c)] if train else []
@@ -142,11 +148,11 @@ class LossChart:
     """The loss chart as an output: SVG in a notebook (`text/html`, `image/svg+xml`), a summary line as
     text. What `Nitro.plot()` returns and what the live panel draws."""
 
-    def __init__(self, train: list, valid: list, epochs: float | None = None):
-        self.train, self.valid, self.epochs = list(train), list(valid), epochs
+    def __init__(self, train: list, valid: list, epochs: float | None = None, start: float = 0.0):
+        self.train, self.valid, self.epochs, self.start = list(train), list(valid), epochs, start
 
     def svg(self) -> str:
-        return loss_svg(self.train, self.valid, self.epochs)
+        return loss_svg(self.train, self.valid, self.epochs, start=self.start)
 
     def __repr__(self) -> str:
         if not self.train and not self.valid:

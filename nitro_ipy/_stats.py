@@ -98,13 +98,14 @@ class StatsTable:
                 inputs = esc(r.inputs or r.short_shapes)
                 full = (f"<details><summary>{inputs}</summary><code style='white-space: pre-wrap'>"
                         f"{esc(r.shapes)}</code></details>")
-                why = (f"<div style='opacity: 0.85'>why: {h.code_html(h.summarise_why(r.why))}</div>"
-                       if r.why else "")
+                why = (f"<tr><td></td><td colspan='4' {cell[:-1]}; opacity: 0.85'>why {esc(r.kind)} compiled: "
+                       f"{h.code_html(h.summarise_why(r.why))}</td></tr>" if r.why else "")
                 out.append(
-                    f"<tr><td {cell}>{h.chip(r.state, tone)}</td><td {cell}><code>{esc(r.kind)}</code> "
-                    f"[{esc(r.hooks)}]{why}</td><td {cell}>{full}</td>"
+                    f"<tr style='border-top: 1px solid var(--jp-border-color2, rgba(128,128,128,0.3))'>"
+                    f"<td {cell}>{h.chip(r.state, tone)}</td><td {cell[:-1]}; white-space: nowrap'><code>"
+                    f"{esc(r.kind)}</code> [{esc(r.hooks)}]</td><td {cell}>{full}</td>"
                     f"<td {num} title='trace {r.trace_s:.2f} s + XLA {r.compile_s:.2f} s'>"
-                    f"{r.trace_s + r.compile_s:.2f}</td><td {num}>{r.hits}</td></tr>"
+                    f"{r.trace_s + r.compile_s:.2f}</td><td {num}>{r.hits}</td></tr>{why}"
                 )
             out.append("</tbody></table>")
         else:
@@ -141,10 +142,10 @@ _NAMES = {"params": "parameters", "grads": "gradients", "opt_state": "optimizer 
 
 
 def summarise_inputs(entry) -> str:
-    """A program's inputs in words: parameters, gradients and optimizer state as array and value counts
-    per dtype (with the parameters' layer groups), batch arrays with their shapes; scalars left out.
+    """A program's inputs in words: parameters, gradients and optimizer state as value counts per dtype
+    (the flat buffers; with the parameters' layer groups), batch arrays with their shapes; scalars left out.
 
-    `params: 2 arrays, 16 float32 (v, w); batch x [16, 3], y [16]`"""
+    `parameters 16 float32 (v, w); batch x [16, 3], y [16]`"""
     import math
     import re
 
@@ -157,8 +158,8 @@ def summarise_inputs(entry) -> str:
             per_dtype: dict = {}
             for sig in sigs:
                 per_dtype[str(sig.dtype)] = per_dtype.get(str(sig.dtype), 0) + math.prod(sig.shape)
-            sizes = ", ".join(f"{count:,} {dtype}" for dtype, count in per_dtype.items())
-            text = f"{_NAMES[name]}: {len(sigs)} array{'s' if len(sigs) != 1 else ''}, {sizes}"
+            sizes = " + ".join(f"{count:,} {dtype}" for dtype, count in per_dtype.items())
+            text = f"{_NAMES[name]} {sizes}"
             if name == "params":
                 layers = list(dict.fromkeys(m.group(1) for s in sigs if (m := re.match(r"params\[['\"]?([^]'\"]+)", s.path or ""))))
                 if layers and layers != list(per_dtype):

@@ -499,7 +499,8 @@ class Panel:
         p = _progress.latest()
         if p is None:
             return None
-        return _html.LossChart(p.train_points, p.valid_points, p.first_epoch + p.epochs)
+        return _html.LossChart(p.train_points, p.valid_points, p.first_epoch + p.epochs,
+                               start=p.train_points[0][0] - 1 / p.steps if p.train_points else p.first_epoch)
 
     def outputs(self) -> tuple:
         """The panel's two outputs now: (figures + chart, latest compile)."""

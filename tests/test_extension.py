@@ -175,16 +175,16 @@ def test_nitro_stats_table(trained):
         assert all(line[s - 1] == " " and line[s] != " " for s in starts), line
         assert all(line[e - 1] != " " and line[e] == " " for e in ends), line
     assert [r.inputs for r in table.rows] == [
-        "parameters: 2 arrays, 16 float32 (v, w); batch x [16, 3], y [16]",
-        "parameters: 2 arrays, 16 float32 (v, w); gradients: 1 array, 16 float32",
-        "parameters: 2 arrays, 16 float32 (v, w); inputs x [16, 3]; targets y [16]",
+        "parameters 16 float32 (v, w); batch x [16, 3], y [16]",
+        "parameters 16 float32 (v, w); gradients 16 float32",
+        "parameters 16 float32 (v, w); inputs x [16, 3]; targets y [16]",
     ]
     html = table._repr_html_()
     # State and hits first, text left-aligned, headers that do not wrap, full shapes on demand.
     assert html.index(f"hits {stats.hits}") < html.index("<table")
     assert [h.split(">")[-1] for h in html.split("</th>")[:-1]] == ["state", "program", "inputs", "compile s", "hits"]
     assert html.count("white-space: nowrap'>") >= 5 and "text-align: left" in html
-    assert "<details><summary>parameters: 2 arrays, 16 float32 (v, w); batch x [16, 3], y [16]</summary>" in html
+    assert "<details><summary>parameters 16 float32 (v, w); batch x [16, 3], y [16]</summary>" in html
     assert "params[&#x27;w&#x27;][3, 4]" in html  # the full shapes, inside the <details>
 
 

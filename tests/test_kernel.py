@@ -204,7 +204,7 @@ def test_nitro_stats_output(session):
     data = result["content"]["data"]
     assert data["text/plain"].splitlines()[0].endswith("| misses 10 | entries 6 | poisoned 4")
     assert "white-space: nowrap'>inputs</th>" in data["text/html"]
-    assert "parameters: 2 arrays, 16 float32 (v, w); batch x [16, 3], y [16]" in data["text/html"]
+    assert "parameters 16 float32 (v, w); batch x [16, 3], y [16]" in data["text/html"]
     assert data["text/html"].count("poisoned (__main__.helper)") == 4
 
 
