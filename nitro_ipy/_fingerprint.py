@@ -18,6 +18,7 @@ import numpy as np
 from ._compat import is_custom_derivative
 from ._errors import NitroTypeError
 from ._memo import Memo
+from ._origin import is_user_module
 
 
 class Unfingerprintable(NitroTypeError):
@@ -31,24 +32,6 @@ class Unfingerprintable(NitroTypeError):
 
 def _qualname(obj) -> str:
     return f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
-
-
-# Where code lives decides how a class is fingerprinted: a user's class by its methods' code, a library's
-# by its name (its code only changes with a package upgrade, which restarts the kernel anyway).
-_LIBRARY_PREFIXES = tuple(
-    {p for p in (sys.prefix, sys.base_prefix, sys.exec_prefix) if p}
-    | {p for p in sys.path if p.endswith(("site-packages", "dist-packages"))}
-)
-
-
-def is_library_file(filename: str | None) -> bool:
-    """True for files of the standard library and installed packages (not the user's own code)."""
-    if not filename:
-        return True
-    if filename.startswith("<"):
-        # "<frozen ...>", "<string>"; IPython cells are "<ipython-input-...>" and count as user code.
-        return not filename.startswith("<ipython-input")
-    return filename.startswith(_LIBRARY_PREFIXES) and "site-packages/nitro_ipy" not in filename
 
 
 class _Hasher:
@@ -245,8 +228,9 @@ class _Hasher:
     def cls(self, c, path):
         self.tag(b"class")
         self.text(_qualname(c))
-        module = sys.modules.get(c.__module__)
-        if c.__module__ != "__main__" and is_library_file(getattr(module, "__file__", None)):
+        # A user's class by its methods' code, a library's by its name (its code only changes with a
+        # package upgrade, which restarts the kernel anyway).
+        if not is_user_module(c.__module__):
             return
         for name, attr in sorted(vars(c).items()):
             if isinstance(attr, (staticmethod, classmethod)):
