@@ -119,7 +119,9 @@ class Nitro:
     def rebuild(self) -> "Nitro":
         """A new handle on the same experiment with the current state carried over and hooks re-bound
         through the class as it is now: the way to pick up an edit."""
-        return Nitro._carrying(self.experiment, self._options, (self._params, self._state, self.step, self.epoch))
+        new = Nitro._carrying(self.experiment, self._options, (self._params, self._state, self.step, self.epoch))
+        new.__dict__["_curve"] = list(self.__dict__.get("_curve", ()))  # the loss chart goes on where it was
+        return new
 
     def __repr__(self):
         return (

@@ -426,21 +426,26 @@ def test_progress_display_says_where_an_interrupt_landed(trained, monkeypatch):
     from nitro_ipy import _loop
 
     sink = _sinked(monkeypatch, trained)
-    _run(trained, "p = Nitro(Tiny(hidden=6), data=data, batch_size=16)")
+    ns = trained.user_ns
+    p = ns["Nitro"](ns["Tiny"](hidden=6), data=ns["data"], batch_size=16)
     real = _loop.check_losses
-    calls = []
 
     def interrupt_in_epoch_2(n, losses, total, count, bar):
-        calls.append(n.step)
         if n.epoch == 1:
             raise KeyboardInterrupt
         return real(n, losses, total, count, bar)
 
     monkeypatch.setattr(_loop, "check_losses", interrupt_in_epoch_2)
-    outputs = _captured(trained.run_cell, "p.train(3)")
+
+    def train():
+        with pytest.raises(KeyboardInterrupt):
+            p.train(3)
+
+    outputs = _captured(train)
     assert outputs[-1].data["text/plain"].splitlines()[-1] == (
         "nitro_ipy: training interrupted at epoch 2, step 3/3; the handle is usable")
     assert sink.front.progress.status.startswith("training interrupted")
+    assert [r["epoch"] for r in p.history] == [1] and p.step == 6
 
 
 def test_plot_is_the_panels_chart_of_the_history(trained):
