@@ -136,13 +136,22 @@ def latest() -> Progress | None:
     return _latest
 
 
-def start(n, epochs: int, steps: int) -> Progress | None:
-    """The progress of a `train()` call on `n`, with the current sink's front end, or None when the
-    handle was built with `progress=False`."""
+class QuietFront:
+    """No front end: a background run draws nothing (the live panel still reads its progress)."""
+
+    def begin_epoch(self, p):
+        pass
+
+    update = end_epoch = close = begin_epoch
+
+
+def start(n, epochs: int, steps: int, quiet: bool = False) -> Progress | None:
+    """The progress of a `train()` call on `n`, with the current sink's front end (none when `quiet`: a
+    background run), or None when the handle was built with `progress=False`."""
     global _latest
     if not n.progress:
         return None
-    make = getattr(_report.sink(), "progress_front", None)
-    front = make() if make is not None else None
+    make = None if quiet else getattr(_report.sink(), "progress_front", None)
+    front = QuietFront() if quiet else (make() if make is not None else None)
     _latest = Progress(n, epochs, steps, front if front is not None else TextFront())
     return _latest

@@ -565,7 +565,7 @@ class Panel:
         self.refreshes += 1
 
     def _run_line(self) -> str:
-        line = getattr(self.run, "summary", None)
+        line = getattr(self.run, "summary", None) or getattr(self.run, "where", None)
         line = line() if callable(line) else line
         return f"background run ended: {line}" if line else "background run ended"
 
