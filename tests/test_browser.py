@@ -1,13 +1,10 @@
 """The quickstart in a real JupyterLab 4 in Debian's Chromium (playwright), as a person runs it: both
-messages visibly styled, the panel's figures and chart, the Rebuild click and what it says, then a save,
+messages visibly styled, the panel's figures and chart, the Rebuild click and what it says, a background run stopped from the panel's Stop button, then a save,
 a page reload (kernel alive) and a reopen on a fresh kernel in the dark theme with zero widget errors and
 zero JS console errors. Screenshots go to a temp dir (`tools/screenshots.py` keeps some for the docs).
 
 Costs ~60-90 s (one JupyterLab, one Chromium, the notebook's compiles). Skipped only when Chromium is
 missing outside CI; under `CI=true` it always runs (`.ci/run` installs Chromium).
-
-Not covered yet: a background run stopped from the panel's Stop button (the background runs land with
-the `runs` branch; the button's wiring is tested in test_extension.py against the `stop()` interface).
 """
 
 import os
@@ -55,6 +52,11 @@ def test_the_panel_shows_figures_and_the_chart(seen):
         "misses 5", "entries 3", "poisoned 2"]
     assert seen["panel_chart"] == 1
     assert seen["progress_lines"] == 4  # one progress display per train() call
+
+
+def test_a_background_run_is_stopped_from_the_panel(seen):
+    assert seen["stop_button"] == 1
+    assert seen["stop_result"] == "stop asked: the run ends at the next step boundary, nothing lost"
 
 
 def test_reload_and_reopen_show_everything_with_no_widget_error(seen):
