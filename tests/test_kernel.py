@@ -235,3 +235,22 @@ def test_nitro_panel_is_html_updated_in_place(session):
     assert "hidden</code>: 4 -&gt; 5, and 2 argument changes that follow</div>" in last_latest["data"]["text/html"]
     assert "shape" not in last_latest["data"]["text/html"]
     assert _widget_opens(messages) == {}
+
+
+def test_the_panel_draws_a_background_run_while_the_kernel_is_idle(session):
+    """The worker never touches an output: the panel's refresh is scheduled on the kernel's event loop,
+    which runs it between cells, so the figures move while nothing executes."""
+    (main, *_rest) = [m["content"] for m in _of(session.run("%nitro_panel"), "display_data")]
+    panel_id = main["transient"]["display_id"]
+    session.run("r = Nitro(Tiny(hidden=9), data=data, batch_size=2); run = r.train(100000, background=True)")
+    seen = []
+    import time
+
+    end = time.monotonic() + 60
+    while time.monotonic() < end and len(seen) < 2:  # a compile and a sync point, at least
+        msg = session.client.get_iopub_msg(timeout=60)
+        if msg["msg_type"] == "update_display_data" and msg["content"]["transient"]["display_id"] == panel_id:
+            seen.append(msg["content"]["data"]["text/plain"])
+    session.run("run.stop(); rows = run.wait()")
+    assert len(seen) == 2 and all(s.startswith("nitro_ipy panel: hits ") for s in seen)
+    assert session.value("[run.done, r.step > 0]") == [True, True]
