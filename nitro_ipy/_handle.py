@@ -14,7 +14,7 @@ binding.
 import jax
 import numpy as np
 
-from . import _cache, _checkpoint, _closure, _compile, _loop, _report, _runs, _store
+from . import _cache, _checkpoint, _closure, _compile, _html, _loop, _progress, _report, _runs, _store
 from ._binding import bind
 from ._data import check_splits, eval_batches, split_len, steps_per_epoch
 from ._errors import NitroTypeError, NitroValueError
@@ -178,7 +178,9 @@ class Nitro:
         carried over and hooks re-bound through the class as it is now: the way to pick up an edit."""
         _runs.check_idle(self, "rebuild")
         carry = (self.params, self._model_state, self._opt_state, self.step, self.epoch)
-        return Nitro._carrying(self.experiment, self._options, carry)
+        new = Nitro._carrying(self.experiment, self._options, carry)
+        new.__dict__["_curve"] = list(self.__dict__.get("_curve", ()))  # the loss chart goes on where it was
+        return new
 
     def __repr__(self):
         return (
@@ -271,6 +273,22 @@ class Nitro:
         return _runs.foreground(control, work)
 
     def _train_epochs(self, control, split: dict, fields, steps: int, epochs: int) -> list[dict]:
+        # This call's progress report (None with `progress=False`); the loop reads it from the handle.
+        progress = self.__dict__["_progress"] = _progress.start(self, epochs, steps, quiet=control.quiet)
+        try:
+            rows = self._epochs(control, split, fields, epochs, progress)
+        except BaseException as err:
+            if progress is not None:
+                progress.close(err)
+            raise
+        finally:
+            self.__dict__["_progress"] = None
+        if progress is not None:
+            progress.close()
+        return rows
+
+    def _epochs(self, control, split: dict, fields, epochs: int, progress) -> list[dict]:
+        steps = control.steps
         b = self._binding
         rows = control.rows
         stopper = self._stop_when.fresh() if self._stop_when is not None else None
@@ -290,6 +308,8 @@ class Nitro:
                 row["stopped"] = reason
             if self._checkpoints is not None:  # after validation: `keep_best` ranks by the row's metrics
                 self._checkpoints.after_epoch(self)
+            if progress is not None:
+                progress.end_epoch(row)
             if self.progress:
                 _report.emit(Kind.EPOCH, record=row)  # `record` is the EPOCH message's field name
             if row.get("stopped"):
@@ -302,6 +322,14 @@ class Nitro:
         run trains). A Host field is set on `n.experiment` (compiled code never reads it). A GraphConst
         field is refused: a new value means new programs (a new experiment, or an edit and `rebuild`)."""
         _runs.set_fields(self, values)
+
+    def plot(self) -> "_html.LossChart":
+        """The loss chart of this handle's training: train loss at each sync point (per epoch when it
+        trained with `progress=False`), validation loss per epoch, as the live panel draws it. Displays as
+        SVG in a notebook and as a one-line summary elsewhere."""
+        curve = self.__dict__.get("_curve") or [(r["epoch"], r["loss"]) for r in self.history]
+        valid = [(float(r["epoch"]), r["valid_loss"]) for r in self.history if "valid_loss" in r]
+        return _html.LossChart(curve, valid)
 
     def validate(self) -> dict:
         """Evaluate on the `valid` split: `{"loss": ..., <metric>: ...}`."""

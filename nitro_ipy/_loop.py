@@ -70,13 +70,13 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
     **Arguments:**
     - `n`: the handle; its parameters, optimizer state and step advance in place.
     - `split`: the train split; `fields`: the batch fields the programs take.
-    - `steps`: optimizer steps in the epoch (the progress bar's total).
+    - `steps`: optimizer steps in the epoch (the progress display's total).
     - `gate`: the train call's control (Ctrl-C, a stop request); default: a fresh `InterruptGate`.
 
     **Returns:** the epoch's mean training loss. Raises `NonFiniteLossError` on a NaN or infinite loss.
     """
     batches = train_batches(split, fields, n.batch_size, n.accum, (n.seed, n.epoch))
-    bar = None  # opened after the first step, so compile lines print above it, not through it
+    bar = None  # told after the first step, so compile lines print above it, not through it
     binding = n._binding
     schedules, apply_schedules = binding.schedules, binding.apply_schedules
     dev = n._dev  # schedules set its values in place, so the programs see them through this one dict
@@ -95,9 +95,9 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
             n.step += 1
             losses.append(loss)
             gate.defer = False
-            if n.progress and not gate.quiet:
-                bar = progress_bar(steps, f"epoch {n.epoch + 1}")
-                bar.update(1)
+            bar = n.__dict__.get("_progress")  # this train() call's `_progress.Progress`, or None
+            if bar is not None:
+                bar.begin_epoch()
             grad_call, opt_call, seed_step = grad.call, opt.call, n._seed_step
             append, perf_counter = losses.append, time.perf_counter
             next_sync = perf_counter() + _SYNC_SECONDS
@@ -118,8 +118,6 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
                 n.step += 1
                 gate.defer = False
                 append(loss)
-                if bar is not None:
-                    bar.update(1)
                 if perf_counter() > next_sync:
                     total, n_loss = check_losses(n, losses, total, n_loss, bar)
                     losses.clear()
@@ -131,9 +129,7 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
                 raise KeyboardInterrupt
     finally:
         count_reuse(grad, opt, reused)
-        if bar is not None:
-            bar.close()
-    total, n_loss = check_losses(n, losses, total, n_loss, None)
+    total, n_loss = check_losses(n, losses, total, n_loss, bar)
     return total / max(n_loss, 1)
 
 
@@ -156,7 +152,7 @@ def check_losses(n, losses: list, total: float, count: int, bar):
     - `n`: the handle (its step and epoch name the failing step in the message).
     - `losses`: device scalars of the steps since the last sync, in order.
     - `total`, `count`: the running sum and number of losses so far this epoch.
-    - `bar`: the progress bar to show the last loss on, or None.
+    - `bar`: the call's `_progress.Progress`, told the window's losses, or None.
 
     **Returns:** the new `(total, count)`.
     """
@@ -172,7 +168,7 @@ def check_losses(n, losses: list, total: float, count: int, bar):
             f"the handle stays usable (`n.params` holds the parameters after step {n.step})."
         )
     if bar is not None:
-        bar.set_postfix(loss=f"{values[-1]:.4g}", refresh=False)
+        bar.sync(values)
     return total + float(values.sum()), count + len(values)
 
 
@@ -194,12 +190,3 @@ def returns_its_inputs(opt_entry) -> bool:
     out_avals = jax.tree.leaves(out_avals)
     norm = lambda a: (tuple(a.shape), str(a.dtype), bool(getattr(a, "weak_type", False)))
     return [norm(a) for a in in_avals] == [norm(a) for a in out_avals]
-
-
-def progress_bar(total: int, desc: str):
-    """A tqdm bar (a widget in notebooks, text in terminals) for one epoch's steps."""
-    # Imported on the first bar, not at the top, for import speed only (no cycle): `tqdm.auto` adds ~30 ms
-    # to `import nitro_ipy`, which scripts that never show a bar need not pay.
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="step", leave=False, mininterval=0.25)
