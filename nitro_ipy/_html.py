@@ -7,7 +7,6 @@ exports of either) keep their contrast. Inline styles only: a saved output carri
 """
 
 import html
-import re
 
 # (accent, tint) per tone. The tint is translucent: over a light page it is a pale wash, over a dark page
 # a dark one, and the text keeps the page's own colour either way.
