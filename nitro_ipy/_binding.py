@@ -14,6 +14,7 @@ import numpy as np
 import optax
 
 from . import _closure
+from ._checks import check_schedule_value
 from ._data import check_splits
 from ._errors import NitroTypeError, NitroValueError
 from ._fields import CompileView, GraphConstPrints, field_kinds, graphconst_prints, short_repr
@@ -98,6 +99,12 @@ class Binding:
                     f"shape {want.shape}."
                 )
             dev[name] = value
+
+    def first_schedules(self, dev: dict, step: int):
+        """`apply_schedules` with each value checked (type, dtype, shape, finite): the first step of a
+        `train()`, before anything compiles. Later steps are checked on device (`_guard`)."""
+        for name, fn in self.schedules.items():
+            dev[name] = check_schedule_value(self.cls, name, fn, step, self.device_host[name])
 
 
 def bind(e, data=None, schedules: dict | None = None) -> Binding:

@@ -14,6 +14,7 @@ import numpy as np
 
 from . import _cache, _closure, _compile, _loop, _report
 from ._binding import bind
+from ._checks import check_on_nonfinite
 from ._data import check_splits, eval_batches, split_len, steps_per_epoch
 from ._errors import NitroTypeError, NitroValueError
 from ._fields import short_repr
@@ -41,6 +42,10 @@ class Nitro:
     - `progress`: show a progress bar while training (a widget in notebooks, text in terminals).
     - `flat_params`: update parameters as one flat buffer per dtype (default). Set False for optimizers
       whose maths is per array (LAMB, LARS, factored Adafactor, masks by parameter path).
+    - `on_nonfinite`: what a step with a NaN or infinite loss, gradient or Device value does. Either way
+      its update is never applied (checked on device, inside the optimizer program). `"raise"` (default):
+      training stops with `NonFiniteLossError` naming the step and the cause, the handle holding the last
+      finite parameters; `"skip"`: the step is skipped and counted (`skipped` on the epoch line).
     """
 
     def __init__(
@@ -55,10 +60,12 @@ class Nitro:
         seed: int = 0,
         progress: bool = True,
         flat_params: bool = True,
+        on_nonfinite: str = "raise",
     ):
         options = dict(
             data=data, batch_size=batch_size, max_epochs=max_epochs, accum=accum,
             schedules=schedules, seed=seed, progress=progress, flat_params=flat_params,
+            on_nonfinite=on_nonfinite,
         )
         self._setup(e, options, carry=None)
 
@@ -77,6 +84,7 @@ class Nitro:
         self.batch_size, self.max_epochs, self.accum = int(batch_size), int(max_epochs), int(accum)
         self.seed, self.progress, self.flat_params = options["seed"], options["progress"], options["flat_params"]
         self._options = options
+        self.on_nonfinite = check_on_nonfinite(options.get("on_nonfinite", "raise"))
         # The handle is a fixed point from here on: hooks, routes and fingerprints are bound now.
         self._binding = b = bind(e, options["data"], options["schedules"])
         self.experiment = b.experiment
@@ -98,7 +106,8 @@ class Nitro:
             self._state = jax.tree.map(_strong, opt_state)
         else:
             self._state = opt_state
-        self._settings = {"accum": self.accum, "layout": self._layout.signature}  # what specs' options name
+        # what specs' options name
+        self._settings = {"accum": self.accum, "layout": self._layout.signature, "on_nonfinite": self.on_nonfinite}
 
         self._programs: dict = {}  # key -> Entry: what this handle runs (kept even if poisoned)
         self._kinds_seen: dict = {}  # kind -> key of the first program of that kind
@@ -170,8 +179,9 @@ class Nitro:
         return self._resolve(GRAD, (self._params, self._dev, batch),
                              inputs=routes["forward"].pick(batch), targets=routes["loss"].pick(batch))
 
-    def _opt_entry(self, flat_grads):
-        return self._resolve(OPT, (self._params, flat_grads, self._state, self._dev))
+    def _opt_entry(self, flat_grads, loss, guard):
+        return self._resolve(OPT, (self._params, flat_grads, self._state, self._dev, loss, guard),
+                             halt=self.on_nonfinite == "raise")
 
     # ---------------------------------------------------------------- entry points
     def _enter(self):
@@ -197,7 +207,10 @@ class Nitro:
         fields = sorted(set(b.routes["forward"].pick(split)) | set(b.routes["loss"].pick(split)))
         rows = []
         for _ in range(self.max_epochs if epochs is None else epochs):
-            row = {"epoch": self.epoch + 1, "loss": _loop.train_epoch(self, split, fields, steps)}
+            loss, skipped = _loop.train_epoch(self, split, fields, steps)
+            row = {"epoch": self.epoch + 1, "loss": loss}
+            if self.on_nonfinite == "skip":
+                row["skipped"] = skipped
             self.epoch += 1
             if "valid" in b.splits:
                 row.update({f"valid_{k}": v for k, v in self._evaluate("valid").items()})

@@ -4,7 +4,8 @@ Every builder takes the hooks as plain functions (bound later to the compile vie
 function that `jax.jit(...).lower(...)` traces:
 
 - gradient: `(params, dev, batch) -> (flat grads, mean loss)`, a `lax.scan` over `accum` micro-batches;
-- optimizer: `(params, flat grads, opt state, dev) -> (params, opt state)`, separate even at accum=1;
+- optimizer: `(params, flat grads, opt state, dev, loss, guard) -> (params, opt state, guard)`, separate
+  even at accum=1; a non-finite step keeps the old params and state (`_guard`);
 - evaluation forward: `(params, dev, inputs, targets, n_valid) -> (outputs, loss sum over valid rows)`;
 - device metric: `(dev, outputs, fields) -> {name: (sum, count)}`;
 - predict: `(params, dev, inputs) -> outputs`.
@@ -22,6 +23,7 @@ import optax
 
 from ._cache import Key, arg_signature
 from ._compile import OPTIMIZER_OPTIONS
+from ._guard import guarded, parts
 
 
 def make_gradient(view_of, forward, loss, input_names, target_names, layout, accum: int):
@@ -49,14 +51,17 @@ def make_gradient(view_of, forward, loss, input_names, target_names, layout, acc
     return gradient
 
 
-def make_optimizer(view_of, optimizer, layout):
-    def update(params, flat_grads, opt_state, dev):
+def make_optimizer(view_of, optimizer, layout, halt: bool = True):
+    def update(params, flat_grads, opt_state, dev, loss, guard):
         tx = optimizer(view_of(dev))
         # The flat params are only built for an optimizer that reads them (weight decay, say): for one
         # that does not, XLA drops the concatenation, and a step never copies the whole model. The
         # updates are then added array by array, exactly as `apply_updates` on the flat buffer would.
-        updates, opt_state = tx.update(flat_grads, opt_state, layout.ravel(params))
-        return optax.apply_updates(params, layout.unravel(updates)), opt_state
+        updates, new_state = tx.update(flat_grads, opt_state, layout.ravel(params))
+        new_params = optax.apply_updates(params, layout.unravel(updates))
+        # A non-finite loss, gradient or Device value keeps the old buffers (`_guard`): checked here,
+        # where params and state are donated, so no step ever syncs with the host to find out.
+        return guarded(guard, parts(loss, flat_grads, dev), (new_params, new_state), (params, opt_state), halt)
 
     return update
 
@@ -118,8 +123,8 @@ def _build_grad(b, layout, accum, hook, *, inputs, targets):
     return make_gradient(b.view, b.forward, b.loss, inputs, targets, layout, accum)
 
 
-def _build_opt(b, layout, accum, hook):
-    return make_optimizer(b.view, b.optimizer, layout)
+def _build_opt(b, layout, accum, hook, *, halt=True):
+    return make_optimizer(b.view, b.optimizer, layout, halt)
 
 
 def _build_eval(b, layout, accum, hook, *, inputs, targets):
@@ -136,8 +141,8 @@ def _build_predict(b, layout, accum, hook):
 
 GRAD = Spec("grad", ("forward", "loss"), ("params", "device", "batch"), _build_grad,
             options=("accum", "layout"), loops=True)
-OPT = Spec("opt", ("optimizer",), ("params", "grads", "opt_state", "device"), _build_opt,
-           options=("layout",), donate=(0, 2), compiler_options=OPTIMIZER_OPTIONS, loops=True)
+OPT = Spec("opt", ("optimizer",), ("params", "grads", "opt_state", "device", "loss", "guard"), _build_opt,
+           options=("layout", "on_nonfinite"), donate=(0, 2, 5), compiler_options=OPTIMIZER_OPTIONS, loops=True)
 EVAL = Spec("eval", ("forward", "loss"), ("params", "device", "inputs", "targets", "n_valid"), _build_eval)
 METRIC = Spec("metric", (), ("device", "outputs", "fields"), _build_metric)  # one per hook: `metric:<hook>`
 PREDICT = Spec("predict", ("forward",), ("params", "device", "inputs"), _build_predict)
