@@ -14,7 +14,7 @@ import numpy as np
 import optax
 
 from . import _closure
-from ._checks import check_schedule_value
+from ._checks import check_positional_not_a_field, check_schedule_value, check_schedules_arg
 from ._data import check_splits
 from ._errors import NitroTypeError, NitroValueError
 from ._fields import CompileView, GraphConstPrints, field_kinds, graphconst_prints, short_repr
@@ -144,9 +144,12 @@ def bind(e, data=None, schedules: dict | None = None) -> Binding:
         data = cls.data(e)
     splits = check_splits(data)
     _check_routes(cls, splits, routes, loss is not None)
+    check_positional_not_a_field(cls, forward, "forward", "params", splits)
+    if loss is not None:
+        check_positional_not_a_field(cls, loss, "loss", "outputs", splits)
 
     device_host = {n: _device_value(cls, n, getattr(e, n)) for n, k in kinds.items() if k == "Device"}
-    schedules = dict(schedules or {})
+    schedules = check_schedules_arg(schedules)
     _check_schedules(cls, schedules, device_host)
 
     return Binding(

@@ -14,12 +14,12 @@ import numpy as np
 
 from . import _cache, _closure, _compile, _loop, _report
 from ._binding import bind
-from ._checks import check_on_nonfinite
+from ._checks import (check_metric_count, check_metric_result, check_metric_sum_shape, check_not_empty,
+                      check_on_nonfinite, check_optimizer, check_params_leaves)
 from ._data import check_splits, eval_batches, split_len, steps_per_epoch
-from ._errors import NitroTypeError, NitroValueError
-from ._fields import short_repr
+from ._errors import NitroValueError
 from ._layout import FlatLayout, TreeLayout
-from ._programs import EVAL, GRAD, METRIC, OPT, PREDICT, program_key
+from ._programs import EVAL, GRAD, METRIC, OPT, PREDICT, make_predict, program_key
 from ._report import Kind
 
 
@@ -97,11 +97,14 @@ class Nitro:
             self._params, opt_state = jax.device_put((params, opt_state), may_alias=False)
         else:
             rng = jax.random.PRNGKey(self.seed)
-            self._params = jax.tree.map(_strong, b.init(b.experiment, rng))
+            params = b.init(b.experiment, rng)
+            check_params_leaves(params)
+            self._params = jax.tree.map(_strong, params)
             opt_state, self.step, self.epoch = None, 0, 0
         self._layout = (FlatLayout if self.flat_params else TreeLayout)(self._params)
         if opt_state is None:
             tx = b.optimizer(b.view(self._dev))
+            check_optimizer(b.cls, tx)
             opt_state = tx.init(self._layout.ravel(self._params))
             self._state = jax.tree.map(_strong, opt_state)
         else:
@@ -234,6 +237,7 @@ class Nitro:
         b = self._binding
         split = b.split(split_name)
         n = split_len(split)
+        check_not_empty(split_name, n, "evaluating it")
         inputs = b.routes["forward"].pick(split)
         targets = b.routes["loss"].pick(split) if b.loss is not None else ()
         metric_fields = {name: b.routes[name].pick(split) for name in b.metrics}
@@ -268,6 +272,8 @@ class Nitro:
             out["loss"] = float(np.sum(np.asarray(jax.device_get(loss_sums), np.float64)) / n)
         for name, (s, c) in sums.items():
             s, c = jax.device_get(s), jax.device_get(c)
+            if c is not None:
+                check_metric_count(split_name, name, c)
             value = np.asarray(s) / c if c is not None else np.asarray(s)
             out[name] = float(value) if np.ndim(value) == 0 else value
         return out
@@ -284,6 +290,10 @@ class Nitro:
                 f"`predict` needs the `forward` inputs {', '.join(f'`{m}`' for m in missing)}; got "
                 f"{', '.join(f'`{k}`' for k in split)}."
             )
+        if split_len(split) == 0:  # zero rows: empty outputs of the right shape, traced, never compiled
+            fn = make_predict(self._binding.view, self._binding.forward)
+            shapes = jax.eval_shape(fn, self._params, self._dev, {k: split[k] for k in names})
+            return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
         pieces = []
         entry = None
         for batch, n_valid in eval_batches(split, names, self.batch_size):
@@ -298,19 +308,10 @@ class Nitro:
 
 
 def _accumulate(sums: dict, hook_name: str, result):
-    if not isinstance(result, dict):
-        raise NitroTypeError(
-            f"metric hook `{hook_name}` must return `{{name: (sum, count)}}`; got {type(result).__qualname__}."
-        )
-    for name, pair in result.items():
-        if not (isinstance(pair, tuple) and len(pair) == 2):
-            raise NitroTypeError(
-                f"metric `{name}` from hook `{hook_name}` must be a `(sum, count)` pair (count None to "
-                f"never divide); got {short_repr(pair)}."
-            )
-        s, c = pair
+    for name, (s, c) in check_metric_result(hook_name, result).items():
         if name in sums:
             s0, c0 = sums[name]
+            check_metric_sum_shape(hook_name, name, s0, s)
             sums[name] = (s0 + s, None if c is None else c0 + c)
         else:
             sums[name] = (s, c)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from ._cache import Key, arg_signature
+from ._checks import check_loss, check_metric_result
 from ._compile import OPTIMIZER_OPTIONS
 from ._guard import guarded, parts
 
@@ -29,7 +30,7 @@ from ._guard import guarded, parts
 def make_gradient(view_of, forward, loss, input_names, target_names, layout, accum: int):
     def loss_of(params, view, batch):
         outputs = forward(view, params, **{k: batch[k] for k in input_names})
-        return loss(view, outputs, **{k: batch[k] for k in target_names})
+        return check_loss(loss(view, outputs, **{k: batch[k] for k in target_names}))
 
     def gradient(params, dev, batch):
         view = view_of(dev)
@@ -72,7 +73,7 @@ def per_example_loss(view, loss, outputs, targets: dict):
 
     def one(o, t):
         add_axis = lambda a: a[None]
-        return loss(view, jax.tree.map(add_axis, o), **jax.tree.map(add_axis, t))
+        return check_loss(loss(view, jax.tree.map(add_axis, o), **jax.tree.map(add_axis, t)))
 
     return jax.vmap(one)(outputs, targets)
 
@@ -92,7 +93,7 @@ def make_eval(view_of, forward, loss, input_names, target_names):
 
 def make_metric(view_of, hook):
     def metric(dev, outputs, fields):
-        return hook(view_of(dev), outputs, **fields)
+        return check_metric_result(hook.__name__, hook(view_of(dev), outputs, **fields))
 
     return metric
 
