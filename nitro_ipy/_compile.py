@@ -87,7 +87,7 @@ def compile_program(
 
 def _build(key, fn, args, donate_argnums, info, record, compiler_options, sources):
     """Trace (recording), lower and XLA-compile: the `Entry`, not yet stored."""
-    why = explain_miss(key, info or {}, _cache.live_entries() + _cache.poisoned_entries())
+    why = explain_miss(key, info or {}, _cache.explanation_candidates())
     jitted = jax.jit(fn, donate_argnums=donate_argnums)
     t0 = time.perf_counter()
     if record is not None:
