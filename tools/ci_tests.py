@@ -1,7 +1,9 @@
 """Install and run the test suite on every supported Python found on this machine (3.11, 3.12, 3.13).
 
-For each interpreter: a fresh virtual environment under `.ci/venvs/` (reused when it exists, unless
-`--fresh`), `pip install -e ".[test]"` into it, then `pytest -q`. Fails if any Python's suite fails or an
+For each interpreter: `pip install -e ".[test]"` into a virtual environment under `.ci/venvs/` (made on
+first use, remade with `--fresh`), then `pytest -q`. The interpreter running this script is used as it is
+(the README's test command has just installed the package into it), so CI pays two fresh installs, not
+three. Fails if any Python's suite fails or an
 install fails; a Python that is not on the machine is skipped with a line saying so (CI wants all three:
 `--require-all`). The last line is a pytest-style summary over every Python: `N passed, N failed, ...`.
 
@@ -27,6 +29,8 @@ _COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|desel
 
 def find_python(version: str) -> str | None:
     """An interpreter of `version`: on PATH as `python3.X`, or under pyenv's versions directory."""
+    if "%d.%d" % sys.version_info[:2] == version:
+        return sys.executable
     found = shutil.which(f"python{version}")
     if found and _version_of(found) == version:
         return found
@@ -35,8 +39,6 @@ def find_python(version: str) -> str | None:
         exe = candidate / "bin" / "python3"
         if exe.exists() and _version_of(str(exe)) == version:
             return str(exe)
-    if sys.version_info[:2] == tuple(map(int, version.split("."))):
-        return sys.executable
     return None
 
 
@@ -50,7 +52,10 @@ def _version_of(exe: str) -> str | None:
 
 
 def install(version: str, exe: str, fresh: bool) -> Path:
-    """The venv of `version`, with this checkout installed editable with its test extra."""
+    """The venv of `version`, with this checkout installed editable with its test extra (the running
+    interpreter itself when it is `version` and not `fresh`)."""
+    if not fresh and Path(exe) == Path(sys.executable):
+        return Path(sys.executable)
     env_dir = ROOT / ".ci" / "venvs" / version
     if fresh and env_dir.exists():
         shutil.rmtree(env_dir)
