@@ -28,12 +28,7 @@ def check_schedule_value(cls, name: str, fn, step: int, want: np.ndarray) -> np.
     refused (naming the field, the value and the fix) unless it is a finite number or array of that
     shape that converts to the field's dtype without losing its kind (no complex into a float)."""
     field = f"`{cls.__qualname__}.{name}`"
-    try:
-        got = fn(step)
-    except Exception as err:
-        raise NitroValueError(
-            f"schedule for Device field {field} raised at step {step}: {type(err).__name__}: {err}"
-        ) from err
+    got = fn(step)  # its own exception propagates as it is: the user's traceback says the most
     arr = None
     if got is not None and not isinstance(got, (str, bytes)):
         try:
