@@ -54,7 +54,7 @@ class _Handler(FileSystemEventHandler):
             return
         paths = [event.src_path, getattr(event, "dest_path", None)]
         paths = [os.path.normpath(os.fsdecode(p)) for p in paths if p]
-        if event.is_directory or event.event_type != "modified":
+        if event.event_type != "modified":  # a directory's "modified" is a file inside it: not ours
             if any(p in _dir_names for p in paths):  # a watched directory went or came back
                 _resync = True
                 _schedule_bump()
