@@ -153,3 +153,9 @@ def evict_traces(is_user) -> bool:
         elif any(part in name for part in _WRAPPED_FUN_TRACE_CACHES):
             cache.cache_clear()
     return True
+
+
+def is_concrete_array(v) -> bool:
+    """True for a `jax.Array` holding data, not a tracer met during a trace (`jax.core.Tracer`, a class
+    JAX keeps under `jax.core`). Identity snapshots hold only concrete arrays; a tracer has none."""
+    return isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer)

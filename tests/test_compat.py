@@ -73,3 +73,16 @@ def test_the_option_names_we_set_are_known_to_this_xla_or_dropped_cleanly():
             lowered.compile(compiler_options={name: value})
         except Exception as err:  # only ever "unknown": a known option with a bad value is our bug
             assert _compat.unknown_compile_option(err) == name
+
+
+def test_concrete_arrays_are_told_from_tracers():
+    seen = []
+
+    def fn(x):
+        seen.append(_compat.is_concrete_array(x))
+        return x
+
+    jax.jit(fn).trace(np.ones(2, np.float32))
+    assert seen == [False]
+    assert _compat.is_concrete_array(jax.numpy.ones(2))
+    assert not _compat.is_concrete_array(np.ones(2))
