@@ -2,12 +2,13 @@
 
 The optimizer program checks, on device, the step's loss, each gradient buffer and each floating Device
 field (`parts`), and keeps the old parameters and optimizer state (a `jnp.where` per buffer, inside the
-program that donates them) when any is non-finite. A small `guard` pytree is carried from step to step
-through the same program:
+program that donates them) when any is non-finite. A small `guard` (one int32 vector, so a step
+dispatches one more buffer, not four) is carried from step to step through the same program:
 
-- `steps`: steps seen since the guard was made (the epoch's start);
-- `bad`: how many of them were not applied;
-- `first`: the index of the first bad one (-1: none), `why`: which parts were non-finite at that step.
+- `guard[STEPS]`: steps seen since the guard was made (the epoch's start);
+- `guard[BAD]`: how many of them were not applied;
+- `guard[FIRST]`: the index of the first bad one (-1: none); `guard[WHY:]`: which parts were non-finite
+  at that step (1 = non-finite).
 
 `halt=True` (`on_nonfinite="raise"`) makes a bad step sticky: no later step of the epoch applies either,
 so the handle holds exactly the parameters of the last finite step when the loop sees the guard at its
@@ -22,7 +23,7 @@ import numpy as np
 
 from ._errors import NonFiniteLossError
 
-MODES = ("raise", "skip")
+STEPS, BAD, FIRST, WHY = 0, 1, 2, 3
 
 
 def _floating(x) -> bool:
@@ -53,25 +54,35 @@ def _buffer_name(path) -> str:
     return f"the flat {key} buffer" if isinstance(key, str) and key in np.sctypeDict else f"`params{text}`"
 
 
-def fresh(n_parts: int) -> dict:
+def fresh(n_parts: int) -> np.ndarray:
     """A guard with no steps seen (a host value: transferred once, at the epoch's first step)."""
-    return {"steps": np.int32(0), "bad": np.int32(0), "first": np.int32(-1), "why": np.zeros(n_parts, bool)}
+    guard = np.zeros(WHY + n_parts, np.int32)
+    guard[FIRST] = -1
+    return guard
 
 
-def guarded(guard: dict, checked: list, new: tuple, old: tuple, halt: bool):
+def bad_steps(guard) -> int:
+    """How many steps of a (host) guard were not applied."""
+    return int(guard[BAD])
+
+
+def first_bad(guard) -> int:
+    """The index, since the guard was made, of its first bad step (-1: none)."""
+    return int(guard[FIRST])
+
+
+def guarded(guard, checked: list, new: tuple, old: tuple, halt: bool):
     """`(*chosen, new guard)`: `new` when every value of `checked` is finite (and, with `halt`, no earlier
     step was bad), else `old`. Traced inside the optimizer program."""
     bad_parts = jnp.stack([~jnp.all(jnp.isfinite(c)) for c in checked])
     bad = jnp.any(bad_parts)
-    apply = ~bad & (guard["bad"] == 0) if halt else ~bad
-    first_time = bad & (guard["first"] < 0)
+    apply = ~bad & (guard[BAD] == 0) if halt else ~bad
+    first_time = bad & (guard[FIRST] < 0)
     chosen = [_select(apply, n, o) for n, o in zip(new, old)]
-    return (*chosen, {
-        "steps": guard["steps"] + 1,
-        "bad": guard["bad"] + bad.astype(jnp.int32),
-        "first": jnp.where(first_time, guard["steps"], guard["first"]),
-        "why": jnp.where(first_time, bad_parts, guard["why"]),
-    })
+    head = jnp.stack([guard[STEPS] + 1, guard[BAD] + bad.astype(jnp.int32),
+                      jnp.where(first_time, guard[STEPS], guard[FIRST])])
+    why = jnp.where(first_time, bad_parts.astype(jnp.int32), guard[WHY:])
+    return (*chosen, jnp.concatenate([head, why]))
 
 
 def _select(apply, new, old):
@@ -112,7 +123,7 @@ def _nonfinite_leaves(layout, flat_grads) -> list[str]:
     return found
 
 
-def diagnose(n, guard: dict, step0: int, batch_at, dev_at, regrad) -> NonFiniteLossError:
+def diagnose(n, guard, step0: int, batch_at, dev_at, regrad) -> NonFiniteLossError:
     """The error for the first bad step of `guard` on handle `n`.
 
     **Arguments:**
@@ -125,11 +136,11 @@ def diagnose(n, guard: dict, step0: int, batch_at, dev_at, regrad) -> NonFiniteL
 
     **Returns:** the `NonFiniteLossError` to raise, naming the step, what was non-finite and the fix.
     """
-    index = int(guard["first"])
+    index = first_bad(guard)
     step = step0 + index + 1
     batch, dev = batch_at(index), dev_at(step - 1)
     names = labels(n._layout.ravel(n._params), dev)
-    what = [name for name, bad in zip(names, np.asarray(guard["why"])) if bad]
+    what = [name for name, bad in zip(names, np.asarray(guard[WHY:])) if bad]
     fields = _nonfinite_fields(batch)
     flat_grads, loss = regrad(batch, dev)
     leaves = _nonfinite_leaves(n._layout, flat_grads)

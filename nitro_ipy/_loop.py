@@ -141,7 +141,7 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
             bar.close()
         if not settled:  # Ctrl-C or an error: a bad step before it still counts as not applied
             settle(n, step0)
-    skipped = int(np.asarray(jax.device_get(n._guard["bad"])))
+    skipped = _guard.bad_steps(jax.device_get(n._guard))
     return total / max(n_loss, 1), skipped
 
 
@@ -174,7 +174,7 @@ def check_losses(n, losses: list, total: float, count: int, bar, step0: int, spl
         return total, count
     values, guard = jax.device_get((losses, n._guard))
     values = np.asarray(values, dtype=np.float64)
-    if n.on_nonfinite == "raise" and int(guard["bad"]):
+    if n.on_nonfinite == "raise" and _guard.bad_steps(guard):
         raise nonfinite_error(n, guard, step0, split, fields)
     values = values[np.isfinite(values)]  # "skip": a skipped step's loss is not the epoch's
     if not values.size:
@@ -184,9 +184,9 @@ def check_losses(n, losses: list, total: float, count: int, bar, step0: int, spl
     return total + float(values.sum()), count + len(values)
 
 
-def nonfinite_error(n, guard: dict, step0: int, split: dict, fields) -> NonFiniteLossError:
+def nonfinite_error(n, guard, step0: int, split: dict, fields) -> NonFiniteLossError:
     """The handle back at the last finite step (`n.step`), and the error naming the bad one."""
-    n.step = step0 + int(guard["first"])
+    n.step = step0 + _guard.first_bad(guard)
     binding = n._binding
 
     def batch_at(index):
@@ -216,8 +216,8 @@ def settle(n, step0: int):
         guard = jax.device_get(guard)
     except Exception:  # a guard donated to a step that never finished: nothing was applied either
         return
-    if int(guard["bad"]):
-        n.step = step0 + int(guard["first"])
+    if _guard.bad_steps(guard):
+        n.step = step0 + _guard.first_bad(guard)
 
 
 def count_reuse(grad, opt, steps: int):
