@@ -137,6 +137,8 @@ def compact_shapes(entry) -> str:
         groups.setdefault((sig.path or "arg").split("[")[0], []).append(sig)
     parts = []
     for name, sigs in groups.items():
+        if name == "guard":  # the optimizer's non-finite bookkeeping (`_guard`), never what moved a key
+            continue
         if name in _SUMMARIZED:
             parts.append(f"{name}: {len(sigs)} array{'s' if len(sigs) != 1 else ''}")
         else:  # scalars (Device fields, counts) left out, as in `Entry.shapes()`
