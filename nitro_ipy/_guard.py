@@ -1,8 +1,9 @@
 """Non-finite steps never reach the parameters.
 
 The optimizer program checks, on device, the step's loss, each gradient buffer and each floating Device
-field (`parts`), and keeps the old parameters and optimizer state (a `jnp.where` per buffer, inside the
-program that donates them) when any is non-finite. A small `guard` (one int32 vector, so a step
+field (`parts`), and when any is non-finite applies nothing: the updates become zeros (`masked_updates`,
+a select per flat buffer) and the optimizer state stays the old one (`select`), inside the program that
+donates them. A small `guard` (one int32 vector, so a step
 dispatches one more buffer, not four) is carried from step to step through the same program:
 
 - `guard[STEPS]`: steps seen since the guard was made (the epoch's start);
@@ -71,21 +72,28 @@ def first_bad(guard) -> int:
     return int(guard[FIRST])
 
 
-def guarded(guard, checked: list, new: tuple, old: tuple, halt: bool):
-    """`(*chosen, new guard)`: `new` when every value of `checked` is finite (and, with `halt`, no earlier
-    step was bad), else `old`. Traced inside the optimizer program."""
+def decide(guard, checked: list, halt: bool):
+    """`(apply, new guard)`: whether this step's update applies (every value of `checked` is finite and,
+    with `halt`, no earlier step was bad), and the guard that records it. Traced inside the optimizer
+    program."""
     bad_parts = jnp.stack([~jnp.all(jnp.isfinite(c)) for c in checked])
     bad = jnp.any(bad_parts)
     apply = ~bad & (guard[BAD] == 0) if halt else ~bad
     first_time = bad & (guard[FIRST] < 0)
-    chosen = [_select(apply, n, o) for n, o in zip(new, old)]
     head = jnp.stack([guard[STEPS] + 1, guard[BAD] + bad.astype(jnp.int32),
                       jnp.where(first_time, guard[STEPS], guard[FIRST])])
     why = jnp.where(first_time, bad_parts.astype(jnp.int32), guard[WHY:])
-    return (*chosen, jnp.concatenate([head, why]))
+    return apply, jnp.concatenate([head, why])
 
 
-def _select(apply, new, old):
+def masked_updates(apply, updates):
+    """`updates` where `apply`, else zeros: a step not applied adds nothing, exactly. Selecting the
+    updates (one select per flat buffer) rather than the parameters (one per array) keeps the optimizer
+    program as small as it was: XLA compiles it once per session, and a 242-array model has 242 arrays."""
+    return jax.tree.map(lambda u: jnp.where(apply, u, jnp.zeros_like(u)), updates)
+
+
+def select(apply, new, old):
     """`new` where `apply`, else `old`, leaf by leaf; a state whose structure or shapes moved (an
     optimizer that grows its state, which recompiles anyway) cannot go back and is taken as it is."""
     same = jax.tree.structure(new) == jax.tree.structure(old) and all(
