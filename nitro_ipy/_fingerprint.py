@@ -5,9 +5,11 @@ anything whose only notion of equality is identity is refused with the path at w
 """
 
 import dataclasses
+import dis
 import enum
 import functools
 import hashlib
+import inspect
 import math
 import struct
 import sys
@@ -189,6 +191,9 @@ class _Hasher:
             self.tag(b"wrapped")
             self.text(_qualname(t))
             self.value(v.__wrapped__, f"{path}.__wrapped__")
+        elif t is types.SimpleNamespace:
+            self.tag(b"namespace")
+            self.value(vars(v), path)
         elif isinstance(v, (range, slice)):
             self.tag(t.__name__.encode())
             self.value((v.start, v.stop, v.step), path)
@@ -286,14 +291,37 @@ def code_fingerprint(code: types.CodeType) -> str:
         put(str(getattr(code, attr)).encode())
     for attr in ("co_names", "co_varnames", "co_freevars", "co_cellvars"):
         put(repr(getattr(code, attr)).encode())
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
+    docstring = _docstring_index(code)
+    for i, const in enumerate(code.co_consts):
+        if i == docstring:
+            put(b"doc")  # a docstring-only edit is no edit of the program
+        elif isinstance(const, types.CodeType):
             put(b"code:" + code_fingerprint(const).encode())
         else:
             put(_const_fingerprint(const).encode())
     digest = h.hexdigest()
     _code_memo[id(code)] = (code, digest)
     return digest
+
+
+_CONST_LOADS = frozenset(dis.hasconst)
+
+
+def _docstring_index(code: types.CodeType) -> int | None:
+    """0 when `co_consts[0]` is the function's docstring, else None.
+
+    A function's docstring is its first constant (3.11 to 3.13), which its bytecode never loads; a first
+    string constant that the code does load (`return "abc"`) is a value, not a docstring.
+    """
+    consts = code.co_consts
+    # A function without one has None there on 3.11 and 3.12, so adding or removing a docstring counts
+    # as nothing too (when the bytecode does not load that None).
+    if not consts or (type(consts[0]) is not str and consts[0] is not None) or not code.co_flags & inspect.CO_NEWLOCALS:
+        return None
+    for ins in dis.get_instructions(code):
+        if ins.opcode in _CONST_LOADS and ins.arg == 0:
+            return None
+    return 0
 
 
 def _const_fingerprint(const) -> str:

@@ -13,6 +13,7 @@ from ._resolve import nested
 class Reads(NamedTuple):
     names: tuple  # global names loaded (LOAD_GLOBAL / LOAD_NAME), nested code included
     attrs: tuple  # (global name, attribute) pairs: `mod.attr` where `mod` is a global
+    self_attrs: tuple  # attributes read from the first argument (`self.attr`), this code only
 
 
 # id(code) -> (code, Reads); the code is held so the id stays its own.
@@ -26,7 +27,12 @@ def reads(code: types.CodeType) -> Reads:
     hit = _reads_memo.get(id(code))
     if hit is not None and hit[0] is code:
         return hit[1]
-    names, attrs = {}, {}
+    names, attrs, self_attrs = {}, {}, {}
+    first = code.co_varnames[0] if code.co_argcount and code.co_varnames else None
+    for ins, after in _pairs(code):
+        if first is not None and ins.opname == "LOAD_FAST" and ins.argval == first and after is not None:
+            if after.opname in _ATTR_LOADS:
+                self_attrs[after.argval] = None
     for c in (code, *nested(code)):
         previous = None
         for ins in dis.get_instructions(c):
@@ -37,6 +43,12 @@ def reads(code: types.CodeType) -> Reads:
             if previous is not None and ins.opname in _ATTR_LOADS:
                 attrs[(previous, ins.argval)] = None
             previous = None
-    found = Reads(tuple(names), tuple(attrs))
+    found = Reads(tuple(names), tuple(attrs), tuple(self_attrs))
     _reads_memo[id(code)] = (code, found)
     return found
+
+
+def _pairs(code: types.CodeType):
+    """Each instruction of `code` with the one after it (None after the last)."""
+    ins = list(dis.get_instructions(code))
+    return zip(ins, [*ins[1:], None])
