@@ -18,7 +18,9 @@ from ._data import check_splits
 from ._errors import NitroTypeError, NitroValueError
 from ._fields import CompileView, GraphConstPrints, field_kinds, graphconst_prints, short_repr
 from ._fingerprint import Unfingerprintable, code_fingerprint, fingerprint, function_fingerprint
+from ._carry import edited_schedules, live_experiment, live_schedules
 from ._hooks import batch_fields, hook, live_class, metric_hooks
+from ._world import world
 
 
 def _default_optimizer(self):
@@ -59,6 +61,7 @@ class Binding:
     device_host: dict  # {Device field: strongly typed numpy value}
     schedules: dict  # {Device field: fn(step) -> value}
     splits: dict  # {split name: {batch field: array}}
+    schedule_memo: dict = dataclasses.field(default_factory=dict)  # `edited_schedules` per world
 
     def view(self, dev) -> CompileView:
         """The `self` traced hooks see, with Device values `dev` (traced arrays inside a program)."""
@@ -81,6 +84,15 @@ class Binding:
                     f"instead (`e = dataclasses.replace(e, {name}=...)`) and build a new handle "
                     f"(`Nitro(e, ...)`)."
                 )
+
+    def edited_schedules(self) -> tuple:
+        """The schedules whose name holds other code now (memoized on `world()`: an entry point after no
+        redefinition pays one comparison)."""
+        now = world()
+        memo = self.schedule_memo
+        if memo.get("world") != now:
+            memo["world"], memo["edited"] = now, edited_schedules(self.schedules)
+        return memo["edited"]
 
     def split(self, name: str) -> dict:
         """Split `name`, or an error naming the splits this handle has and how to add one."""
@@ -128,6 +140,7 @@ def bind(e, data=None, schedules: dict | None = None) -> Binding:
     cls = live_class(type(e))
     if cls is not type(e):
         e = _rebind(e, cls)
+    e = live_experiment(e)  # instances of user classes in GraphConst fields, re-bound likewise
     graphconst = graphconst_prints(e)
     kinds = field_kinds(cls)
 
@@ -152,7 +165,7 @@ def bind(e, data=None, schedules: dict | None = None) -> Binding:
     _check_routes(cls, splits, routes, loss is not None)
 
     device_host = {n: _device_value(cls, n, getattr(e, n)) for n, k in kinds.items() if k == "Device"}
-    schedules = dict(schedules or {})
+    schedules = live_schedules(dict(schedules or {}))  # a schedule edited since is called as it is now
     _check_schedules(cls, schedules, device_host)
 
     return Binding(

@@ -13,7 +13,7 @@ runs), `_enter()`, `_run` (the background run training it, or None), and `_view`
 import jax
 import numpy as np
 
-from . import _cache, _closure, _compile, _loop, _report, _runs
+from . import _cache, _carry, _closure, _compile, _loop, _report, _runs
 from ._binding import bind
 from ._data import check_splits, eval_batches, split_len, steps_per_epoch
 from ._errors import NitroTypeError, NitroValueError
@@ -91,7 +91,10 @@ class Nitro:
         if carry is not None:
             params, opt_state, self.step, self.epoch = carry
             # One transfer for every buffer, no per-shape copy programs: the old handle keeps its own.
-            self._params, opt_state = jax.device_put((params, opt_state), may_alias=False)
+            params, opt_state = jax.device_put((params, opt_state), may_alias=False)
+            # User classes in the training state (an Equinox model) re-bound to the live code, values kept.
+            self._params, opt_state = _carry.live_value(params), _carry.live_value(opt_state)
+            _carry.check_fits(b.cls, b.init, b.experiment, self.seed, self._params)
         else:
             rng = jax.random.PRNGKey(self.seed)
             self._params = jax.tree.map(_strong, b.init(b.experiment, rng))
@@ -123,11 +126,17 @@ class Nitro:
         """The optimizer state (over the flat parameter buffers unless `flat_params=False`)."""
         return self._state
 
-    def rebuild(self) -> "Nitro":
-        """A new handle on the same experiment with the current state carried over and hooks re-bound
-        through the class as it is now: the way to pick up an edit."""
+    def rebuild(self, e=None) -> "Nitro":
+        """A new handle with the current state carried over and hooks re-bound through the class as it
+        is now: the way to pick up an edit.
+
+        **Arguments:**
+        - `e`: the experiment to carry the state onto (say, re-created by the re-run cell); default this
+          handle's. Refused, with a per-parameter diff, when the parameters no longer fit its `init`.
+        """
         _runs.check_idle(self, "rebuild")
-        return Nitro._carrying(self.experiment, self._options, (self._params, self._state, self.step, self.epoch))
+        return Nitro._carrying(self.experiment if e is None else e, self._options,
+                               (self._params, self._state, self.step, self.epoch))
 
     def __repr__(self):
         return (
@@ -189,9 +198,10 @@ class Nitro:
         _runs.check_idle(self, what)
         _cache.ensure_fresh()
         stale = [e for e in self._programs.values() if e.poisoned]
-        if stale:
+        schedules = self._binding.edited_schedules() if self._binding.schedules else ()
+        if stale or schedules:
             _report.emit(Kind.STALE_HANDLE, handle=self, names=_report.merge_names(stale),
-                         kinds=tuple(e.kind for e in stale))
+                         kinds=tuple(e.kind for e in stale), schedules=schedules)
 
     def train(self, epochs: int | None = None, *, background: bool = False):
         """Train for `epochs` (default `max_epochs`) epochs, validating after each one when a `valid`

@@ -77,12 +77,16 @@ class Builder:
                     self.value(obj.__dict__, attr, value)
             elif isinstance(obj, type) and is_user_module(obj.__module__):
                 self.class_read(obj, attr)  # `Consts.SCALE`, `Color.RED`
-        if found.self_attrs and (module, qualname) in self.executed and ".<locals>." not in qualname:
-            owner = lookup(live_namespace(module, ns, {}), qualname.rpartition(".")[0]) if "." in qualname else MISSING
+        # `self.RATE` in a method the trace ran: a class attribute of the method's (live) class. Not for a
+        # superseded method, whose class is not the live one.
+        if found.self_attrs and (module, qualname) in self.executed and dep.qualified not in self.superseded:
+            owner = lookup(live_namespace(module, ns, {}), qualname.rpartition(".")[0]) if self._method(ns, qualname) else MISSING
             if isinstance(owner, type) and is_user_module(owner.__module__):
                 fields = getattr(owner, "__dataclass_fields__", {})
                 for attr in found.self_attrs:
-                    if attr not in fields:  # a field is the instance's, in the key or its own fingerprint
+                    # A field is the instance's (in the key, or its own fingerprint); a method is a
+                    # dependency of its own once it runs (recorded against the code that ran).
+                    if attr not in fields and not underlying(static_attr(owner, attr)):
                         self.class_read(owner, attr)
         if cells and (module, qualname.rpartition(".<locals>.")[0]) in self.executed:
             cells = ()  # a closure the trace itself created: its cells hold trace-time values
