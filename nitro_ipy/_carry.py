@@ -149,3 +149,50 @@ def check_fits(cls, init, experiment, seed: int, params) -> None:
 def _sig(sig) -> str:
     shape, dtype = sig
     return f"{dtype.name}{list(shape)}"
+
+
+def holds_user_instances(tree, _depth: int = 0) -> bool:
+    """Whether `tree` (a program's arguments) holds an instance of a user class (an Equinox model)."""
+    if _depth > _MAX_DEPTH:
+        return False
+    t = type(tree)
+    if t in (list, tuple) or (isinstance(tree, tuple) and hasattr(t, "_fields")):
+        return any(holds_user_instances(v, _depth + 1) for v in tree)
+    if t is dict:
+        return any(holds_user_instances(v, _depth + 1) for v in tree.values())
+    return not isinstance(tree, type) and is_user_module(getattr(t, "__module__", "") or "")
+
+
+class Retreed:
+    """A compiled program whose arguments hold instances of user classes, callable with instances of a
+    redefined class of equal structure.
+
+    The key holds a class by name and field structure, not by identity: re-running an Equinox model's
+    cell, or editing a method the program never runs, changes no program. JAX checks the class object,
+    though; so arguments whose tree differs only by that are re-treed into the compiled structure, and
+    the results re-bound to the live classes (`live_value`), so the handle's state stays live.
+    """
+
+    __slots__ = ("compiled",)
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+    def __call__(self, *args):
+        try:
+            return self.compiled(*args)
+        except TypeError as err:
+            if "pytree" not in str(err):
+                raise
+        leaves = jax.tree_util.tree_leaves((args, {}))
+        in_tree = self.compiled.in_tree
+        if in_tree.num_leaves != len(leaves):
+            raise NitroValueError(
+                f"the arguments no longer fit this compiled program ({len(leaves)} arrays, the program takes "
+                f"{in_tree.num_leaves}); rebuild the handle: `n = n.rebuild()`."
+            )
+        args, kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
+        return live_value(self.compiled(*args, **kwargs))
+
+    def __getattr__(self, name):
+        return getattr(self.compiled, name)  # `in_avals`, `out_avals`, ... of the compiled program

@@ -291,3 +291,77 @@ def test_the_data_hook_is_rebound_on_rebuild(ip, capsys):
     run(ip, capsys, textwrap.dedent(cell).replace("FILL", "2.0 * FILL"))
     run(ip, capsys, "n2 = n.rebuild(); x2 = n2._binding.splits['train']['x']")
     np.testing.assert_array_equal(ip.user_ns["x2"], np.full((4, 2), 2.0, np.float32))
+
+
+# ---------------------------------------------------------------- Flax Linen and Equinox, in a module file
+
+def _write(tmp_path, source: str, stamp: int):
+    import os
+
+    path = tmp_path / "mymod.py"
+    path.write_text(textwrap.dedent(source))
+    st = os.stat(path)
+    os.utime(path, (st.st_atime, st.st_mtime + stamp))  # a new mtime: the reload reads the new source
+
+
+EQX = """
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+
+class Lin(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x):
+        return (x @ self.w) * 1.0
+
+    def unused(self):
+        return "never traced"
+"""
+
+FLAX = """
+import flax.linen as nn
+import jax.numpy as jnp
+
+
+class Head(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        y = nn.Dense(1, use_bias=False, kernel_init=nn.initializers.ones)(x)[..., 0]
+        return y * 1.0
+
+    def unused(self):
+        return "never traced"
+"""
+
+LIBRARY_MODELS = {
+    # An Equinox module as the parameter pytree: its class is re-bound in the carried params.
+    "equinox-in-params": (EQX, dict(init="mymod.Lin(jnp.ones((2,)))"), "params(x)"),
+    # A Flax Linen module definition in a GraphConst field: re-bound in the rebuilt experiment.
+    "flax-linen-in-graphconst": (FLAX, dict(fields="model: GraphConst[Any] = None",
+                                            init="self.model.init(rng, jnp.ones((1, 2)))",
+                                            make="E(lr=0.0, model=mymod.Head())"),
+                                 "self.model.apply(params, x)"),
+}
+
+
+@pytest.mark.parametrize("case", list(LIBRARY_MODELS))
+def test_a_library_model_edited_in_its_module_file_and_reloaded(ip, capsys, tmp_path, case):
+    source, parts, forward = LIBRARY_MODELS[case]
+    _write(tmp_path, source, 0)
+    qualname = "Lin.__call__" if "Lin" in source else "Head.__call__"
+    edit = source.replace("* 1.0", "* 3.0")
+    stale(ip, capsys, "import mymod", forward, f"open(mymod.__file__, 'w').write({edit!r}); "
+          "import os; os.utime(mymod.__file__, (1, os.stat(mymod.__file__).st_mtime + 20)); importlib.reload(mymod)",
+          [f"mymod.{qualname}"], **parts)
+
+
+@pytest.mark.parametrize("case", list(LIBRARY_MODELS))
+def test_a_library_model_s_unused_method_edited_and_reloaded_is_no_alarm(ip, capsys, tmp_path, case):
+    source, parts, forward = LIBRARY_MODELS[case]
+    _write(tmp_path, source, 0)
+    edit = source.replace('"never traced"', '"edited, still untraced"')
+    noop(ip, capsys, "import mymod", forward, f"open(mymod.__file__, 'w').write({edit!r}); "
+         "import os; os.utime(mymod.__file__, (1, os.stat(mymod.__file__).st_mtime + 20)); importlib.reload(mymod)",
+         **parts)
