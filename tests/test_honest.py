@@ -365,3 +365,71 @@ def test_a_library_model_s_unused_method_edited_and_reloaded_is_no_alarm(ip, cap
     noop(ip, capsys, "import mymod", forward, f"open(mymod.__file__, 'w').write({edit!r}); "
          "import os; os.utime(mymod.__file__, (1, os.stat(mymod.__file__).st_mtime + 20)); importlib.reload(mymod)",
          **parts)
+
+
+# ---------------------------------------------------------------- every kind of cell is user code
+
+CELL_KINDS = {
+    "%%time": "%%time\ndef act(z):\n    return z * 1.0\n",
+    "%%capture": "%%capture\ndef act(z):\n    return z * 1.0\n",
+    "exec": 'exec("def act(z):\\n    return z * 1.0\\n")\n',
+}
+
+
+@pytest.mark.parametrize("kind", list(CELL_KINDS))
+def test_code_defined_in_every_kind_of_cell_is_tracked(ip, capsys, kind):
+    """The helper is defined in a `%%time` (`<timed exec>`), `%%capture` or `exec` cell; the trace must
+    record it as user code, or an edit of it after the rebuild would go unseen."""
+    run(ip, capsys, CELL_KINDS[kind])
+    stale(ip, capsys, "", 'act(x @ params["w"])', "def act(z):\n    return z * 3.0\n", ["__main__.act"])
+    entry = [e for e in _cache.live_entries() if e.kind == "grad"][0]
+    assert "__main__.act" in [d.qualified for d in entry.closure.functions]
+
+
+SCRIPT = """
+import dataclasses, sys
+import jax.numpy as jnp, numpy as np, optax
+import nitro_ipy
+from nitro_ipy import Device, Nitro
+
+def act(z):
+    return z * 1.0
+
+@dataclasses.dataclass
+class E:
+    lr: Device[float] = 0.0
+    def init(self, rng):
+        return {"w": jnp.ones((2,))}
+    def forward(self, params, *, x):
+        return act(x @ params["w"])
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+    def optimizer(self):
+        return optax.sgd(self.lr)
+
+X = np.ones((4, 2), np.float32)
+n = Nitro(E(), data={"train": {"x": X, "y": np.zeros(4, np.float32)}}, batch_size=4, progress=False)
+before = n.predict({"x": X[:1]})
+def act(z):
+    return z * 3.0
+nitro_ipy.bump_world()
+old = n.predict({"x": X[:1]})
+new = n.rebuild().predict({"x": X[:1]})
+print("RESULT", float(before[0]), float(old[0]), float(new[0]))
+"""
+
+
+@pytest.mark.parametrize("how", ["-c", "stdin"])
+def test_the_plain_repl_and_python_c_are_user_code(how):
+    """`python -c` (`<string>`) and code piped to the interpreter (`<stdin>`, as the plain REPL reads it):
+    two fresh interpreters, about 4 s each."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-c", SCRIPT] if how == "-c" else [sys.executable, "-"]
+    out = subprocess.run(cmd, input=None if how == "-c" else SCRIPT, env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert "! this handle's compiled programs had dependency methods redefined: __main__.act (predict)" in out, out
+    assert out.strip().splitlines()[-1] == "RESULT 2.0 2.0 6.0"

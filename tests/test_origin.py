@@ -69,6 +69,7 @@ def test_frozen_modules_and_code_generators_are_library_code(name):
 @pytest.mark.parametrize("path", [
     "/tmp/ipykernel_4242/3405691582.py",  # a kernel's cell
     "/home/me/project/train.py",  # a `%run` script, a module file
+    "vscode-notebook-cell:/home/me/nb.ipynb#W1sZmlsZQ%3D%3D",  # VS Code's cell names
     os.path.join(os.path.dirname(sys.prefix), "elsewhere", "model.py"),
 ])
 def test_files_outside_the_library_directories_are_user_code(path):

@@ -76,7 +76,7 @@ class Builder:
                 if value is not MISSING:
                     self.value(obj.__dict__, attr, value)
             elif isinstance(obj, type) and is_user_module(obj.__module__):
-                self.class_read(obj, attr)  # `Consts.SCALE`, `Color.RED`
+                self.class_read(obj, attr, ns)  # `Consts.SCALE`, `Color.RED`
         # `self.RATE` in a method the trace ran: a class attribute of the method's (live) class. Not for a
         # superseded method, whose class is not the live one.
         if found.self_attrs and (module, qualname) in self.executed and dep.qualified not in self.superseded:
@@ -87,7 +87,7 @@ class Builder:
                     # A field is the instance's (in the key, or its own fingerprint); a method is a
                     # dependency of its own once it runs (recorded against the code that ran).
                     if attr not in fields and not underlying(static_attr(owner, attr)):
-                        self.class_read(owner, attr)
+                        self.class_read(owner, attr, ns)
         if cells and (module, qualname.rpartition(".<locals>.")[0]) in self.executed:
             cells = ()  # a closure the trace itself created: its cells hold trace-time values
         for var, value in cells or ():
@@ -124,18 +124,23 @@ class Builder:
         owner, dot, _ = qualname.rpartition(".")
         return bool(dot) and "<locals>" not in qualname and isinstance(lookup(ns, owner), type)
 
-    def class_read(self, cls: type, name: str) -> None:
-        """A class attribute read through the class or an instance (`Consts.SCALE`, `self.RATE`)."""
+    def class_read(self, cls: type, name: str, ns: dict) -> None:
+        """A class attribute read through the class or an instance (`Consts.SCALE`, `self.RATE`) by code
+        running in `ns`."""
         attr = static_attr(cls, name)
         if attr is not MISSING and not isinstance(attr, types.MemberDescriptorType):
-            self.class_attr(cls, name, attr)
+            self.class_attr(cls, name, attr, ns)
 
-    def class_attr(self, cls: type, name: str, attr) -> None:
+    def class_attr(self, cls: type, name: str, attr, seen_in: dict | None = None) -> None:
         key = (id(cls), name)
         new = self._unrecorded(self.attrs, key, attr_fingerprint, attr)
         if new is not None:
             fp, snap = new
             ns = class_namespace(cls)
+            if seen_in is not None and lookup(ns or {}, cls.__qualname__) is not cls:
+                # A class without methods names no namespace of its own (and `sys.modules["__main__"]`
+                # may not be the shell's): the namespace of the code that read it does.
+                ns = seen_in
             dep = ClassAttrDep(cls.__module__, cls.__qualname__, name, fp)
             anonymous = ns is None or not isinstance(
                 lookup(live_namespace(cls.__module__, ns, {}), cls.__qualname__), type
