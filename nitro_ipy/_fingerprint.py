@@ -154,6 +154,7 @@ class _Hasher:
         elif dataclasses.is_dataclass(v) and not isinstance(v, type):
             self.tag(b"dataclass")
             self.text(_qualname(t))
+            self.text(_library_version(t.__module__))  # a Flax or Equinox module: its code is its version
             for f in dataclasses.fields(v):
                 self.text(f.name)
                 self.value(getattr(v, f.name), f"{path}.{f.name}")
@@ -232,9 +233,10 @@ class _Hasher:
     def cls(self, c, path):
         self.tag(b"class")
         self.text(_qualname(c))
-        # A user's class by its methods' code, a library's by its name (its code only changes with a
-        # package upgrade, which restarts the kernel anyway).
+        # A user's class by its methods' code, a library's by its name and its package's version (its
+        # code only changes with an upgrade; a program stored on disk must not outlive one).
         if not is_user_module(c.__module__):
+            self.text(_library_version(c.__module__))
             return
         for name, attr in sorted(vars(c).items()):
             if isinstance(attr, (staticmethod, classmethod)):
@@ -242,6 +244,30 @@ class _Hasher:
             if isinstance(attr, types.FunctionType):
                 self.text(name)
                 self.function(attr, f"{path}.{name}")
+
+
+_versions = Memo("package versions", maxsize=1024)
+
+
+def _library_version(module: str) -> str:
+    """`package version` of the installed package `module` belongs to; "" for user code (judged by
+    its code instead) and for a package without a version."""
+    top = (module or "").partition(".")[0]
+    hit = _versions.get(top)
+    if hit is None:
+        if is_user_module(module or "") or top in ("builtins", "__main__"):
+            hit = ""
+        else:
+            hit = str(getattr(sys.modules.get(top), "__version__", "") or "")
+            if not hit:
+                try:
+                    from importlib.metadata import version
+
+                    hit = version(top)
+                except Exception:  # not a distribution (the standard library): its name is enough
+                    hit = ""
+        _versions[top] = hit
+    return hit
 
 
 def _dtype_text(dt: np.dtype) -> str:

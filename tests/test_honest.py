@@ -139,6 +139,11 @@ STALE_EDITS = {
     "untracked-global-rebound": (
         "class Opaque:\n    def __init__(self, s):\n        self.s, self.lock = s, threading.Lock()\nobj = Opaque(1.0)\n",
         'obj.s * (x @ params["w"])', "obj = Opaque(3.0)\n", ["__main__.obj"], {}),
+    "dataclass-default-of-a-class-made-in-the-trace": (
+        "@dataclasses.dataclass\nclass Scaler:\n    s: float = 1.0\n    def __call__(self, z):\n        return z * self.s\n",
+        'Scaler()(x @ params["w"])',
+        "@dataclasses.dataclass\nclass Scaler:\n    s: float = 3.0\n    def __call__(self, z):\n        return z * self.s\n",
+        ["__main__.Scaler.s"], {}),
     "global-instance-method": (
         "class Act:\n    def __call__(self, z):\n        return z * 1.0\nact = Act()\n", 'act(x @ params["w"])',
         "class Act:\n    def __call__(self, z):\n        return z * 3.0\nact = Act()\n", ["__main__.Act.__call__"], {}),

@@ -82,11 +82,10 @@ class Builder:
         if found.self_attrs and (module, qualname) in self.executed and dep.qualified not in self.superseded:
             owner = lookup(live_namespace(module, ns, {}), qualname.rpartition(".")[0]) if self._method(ns, qualname) else MISSING
             if isinstance(owner, type) and is_user_module(owner.__module__):
-                fields = getattr(owner, "__dataclass_fields__", {})
                 for attr in found.self_attrs:
-                    # A field is the instance's (in the key, or its own fingerprint); a method is a
-                    # dependency of its own once it runs (recorded against the code that ran).
-                    if attr not in fields and not underlying(static_attr(owner, attr)):
+                    # A method is a dependency of its own once it runs (recorded against the code that
+                    # ran). A dataclass field's default counts: an instance made inside the trace has it.
+                    if not underlying(static_attr(owner, attr)):
                         self.class_read(owner, attr, ns)
         if cells and (module, qualname.rpartition(".<locals>.")[0]) in self.executed:
             cells = ()  # a closure the trace itself created: its cells hold trace-time values
