@@ -20,6 +20,7 @@ from ._fields import CompileView, GraphConstPrints, field_kinds, graphconst_prin
 from ._fingerprint import Unfingerprintable, code_fingerprint, fingerprint, function_fingerprint
 from ._carry import edited_schedules, live_experiment, live_schedules
 from ._hooks import batch_fields, hook, live_class, metric_hooks
+from ._model import reserved_params
 from ._world import world
 
 
@@ -61,7 +62,17 @@ class Binding:
     device_host: dict  # {Device field: strongly typed numpy value}
     schedules: dict  # {Device field: fn(step) -> value}
     splits: dict  # {split name: {batch field: array}}
+    reserved: dict  # {hook name: frozenset of the reserved parameters (`rng`, `train`, `state`) it declares}
     schedule_memo: dict = dataclasses.field(default_factory=dict)  # `edited_schedules` per world
+
+    @property
+    def has_state(self) -> bool:
+        """`forward` declares `state`: `init` returns `(params, state)`, `forward` `(outputs, new_state)`."""
+        return "state" in self.reserved["forward"]
+
+    @property
+    def wants_rng(self) -> bool:
+        return "rng" in self.reserved["forward"]
 
     def view(self, dev) -> CompileView:
         """The `self` traced hooks see, with Device values `dev` (traced arrays inside a program)."""
@@ -158,6 +169,7 @@ def bind(e, data=None, schedules: dict | None = None) -> Binding:
     hooks = (("init", init), ("forward", forward), ("loss", loss), ("optimizer", optimizer),
              *((n, f) for n, (f, _) in metrics.items()))
     hook_fps = {name: _hook_fingerprint(fn) for name, fn in hooks if fn is not None}
+    reserved = {name: reserved_params(cls, name, fn) for name, fn in hooks[1:] if fn is not None}
 
     if data is None and hook(cls, "data", required=False) is not None:
         data = cls.data(e)
@@ -173,7 +185,7 @@ def bind(e, data=None, schedules: dict | None = None) -> Binding:
         init=init, forward=forward, loss=loss, optimizer=optimizer, metrics=metrics,
         hook_fps=hook_fps, routes=routes, graphconst=graphconst,
         hosts=tuple(n for n, k in kinds.items() if k == "Host"),
-        device_host=device_host, schedules=schedules, splits=splits,
+        device_host=device_host, schedules=schedules, splits=splits, reserved=reserved,
     )
 
 

@@ -122,12 +122,14 @@ def _leaves(tree) -> dict:
     return out
 
 
-def check_fits(cls, init, experiment, seed: int, params) -> None:
+def check_fits(cls, init, experiment, seed: int, params, has_state: bool = False) -> None:
     """Refuse carried `params` that no longer fit what `init` returns now, with a path-level diff.
 
-    `init` is traced abstractly (`jax.eval_shape`): nothing runs on the device, nothing compiles.
+    `init` is traced abstractly (`jax.eval_shape`): nothing runs on the device, nothing compiles. With
+    `has_state`, `init` returns `(params, state)`: the parameters are its first value.
     """
-    want = _leaves(jax.eval_shape(lambda: init(experiment, jax.random.PRNGKey(seed))))
+    out = jax.eval_shape(lambda: _arrays_only(init(experiment, jax.random.PRNGKey(seed))))
+    want = _leaves(out[0] if has_state else out)
     have = _leaves(params)
     lines = []
     for path in sorted(want.keys() | have.keys()):
@@ -144,6 +146,12 @@ def check_fits(cls, init, experiment, seed: int, params) -> None:
             f"parameters differ from what `init` returns:\n" + "\n".join(shown) + "\nStart a fresh run "
             f"with `Nitro(e, ...)`, or change `init` back so the parameters fit."
         )
+
+
+def _arrays_only(tree):
+    """`tree` with its non-array leaves (an Equinox module's activation functions) as None, so that
+    `jax.eval_shape` can return it."""
+    return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else None, tree)
 
 
 def _sig(sig) -> str:

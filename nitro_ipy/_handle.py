@@ -4,29 +4,29 @@ Setup binds the experiment (`_binding.py`); programs are keyed from the spec tab
 builders (`_programs.py`); the epoch loop lives in `_loop.py`. The handle owns the side effects
 (counters, messages) and the state that training advances.
 
-Internal names other code relies on (benchmarks/profile_handle.py, bench_staleness.py): `_params`,
-`_state`, `_dev` (the Device values the programs get), `_layout`, `_programs` (key -> Entry this handle
-runs), `_enter()`, `_run` (the background run training it, or None), and `_view`, `_forward`, `_loss`,
-`_optimizer`, which forward to the binding.
+Internal names other code relies on (benchmarks/profile_handle.py, bench_staleness.py): `_params` (the
+dynamic params tree, `_model.ParamSplit`), `_model_state`, `_opt_state`, `_model`, `_dev` (the Device values
+the programs get), `_layout`, `_programs` (key -> Entry this handle runs), `_enter()`, `_run` (the
+background run training it, or None), and `_view`, `_forward`, `_loss`, `_optimizer`, which forward to the
+binding.
 """
 
 import jax
 import numpy as np
 
-from . import _cache, _carry, _closure, _compile, _loop, _report, _runs
+from . import _cache, _carry, _checkpoint, _closure, _compile, _loop, _report, _runs, _store
 from ._binding import bind
 from ._data import check_splits, eval_batches, split_len, steps_per_epoch
 from ._errors import NitroTypeError, NitroValueError
 from ._fields import short_repr
 from ._layout import FlatLayout, TreeLayout
+from ._model import Model, ParamSplit, check_given, check_state, run_init, strong
+from ._optimizer import init_optimizer
 from ._programs import EVAL, GRAD, METRIC, OPT, PREDICT, program_key
 from ._report import Kind
 
 
-def _strong(x):
-    """A fresh, strongly typed device copy: a Python scalar from `init` would otherwise be weakly typed,
-    and the optimizer's strongly typed output would move the key at step 2."""
-    return jax.device_put(np.asarray(x))
+_strong = strong  # the name benchmarks/profile_handle.py imports
 
 
 class Nitro:
@@ -42,6 +42,12 @@ class Nitro:
     - `progress`: show a progress bar while training (a widget in notebooks, text in terminals).
     - `flat_params`: update parameters as one flat buffer per dtype (default). Set False for optimizers
       whose maths is per array (LAMB, LARS, factored Adafactor, masks by parameter path).
+    - `params`, `state`: start from these values (pretrained, checkpointed) instead of `init`'s; checked
+      against the structure, shapes and dtypes `init` builds (abstractly: no real init is paid).
+    - `resume`: a checkpoint file (`n.save(path)`) to continue from, or `"auto"`: the newest checkpoint in
+      `checkpoint_dir` (a fresh start when there is none). A changed GraphConst field is refused.
+    - `checkpoint_dir`, `checkpoint_every` (epochs), `keep` (newest checkpoints kept; None: all),
+      `keep_best` (`(metric, "min" | "max")`, e.g. `("valid_loss", "min")`: that one is kept too).
     - `stop_when`: `(metric, "min" | "max", patience)`: early stopping on an epoch row's metric, e.g.
       `("valid_loss", "min", 3)`; the row where it fires says so in `row["stopped"]`.
     """
@@ -58,6 +64,13 @@ class Nitro:
         seed: int = 0,
         progress: bool = True,
         flat_params: bool = True,
+        params=None,
+        state=None,
+        resume=None,
+        checkpoint_dir=None,
+        checkpoint_every: int | None = None,
+        keep: int | None = None,
+        keep_best: tuple | None = None,
         stop_when: tuple | None = None,
     ):
         options = dict(
@@ -65,16 +78,30 @@ class Nitro:
             schedules=schedules, seed=seed, progress=progress, flat_params=flat_params,
             stop_when=stop_when,
         )
-        self._setup(e, options, carry=None)
+        # Checkpointing is checked before setup: a bad setting fails fast, before `init` runs.
+        checkpoints = (None if checkpoint_every is None
+                       else _checkpoint.Policy(checkpoint_dir, checkpoint_every, keep, keep_best))
+        if resume == "auto":
+            if checkpoint_dir is None:
+                raise NitroValueError('`resume="auto"` resumes from the newest checkpoint of `checkpoint_dir=`; '
+                                      "pass it (or a checkpoint file as `resume=`).")
+            resume = _checkpoint.newest(checkpoint_dir)
+        options["checkpoints"] = checkpoints
+        _store.activate()  # before setup: its eager operations compile too
+        given = None if params is None and state is None else (params, state)
+        self._setup(e, options, carry=None, given=given)
+        if resume is not None:
+            _checkpoint.restore(self, resume)
 
     @classmethod
     def _carrying(cls, e, options: dict, carry: tuple) -> "Nitro":
-        """A handle set up with `options` whose params, optimizer state, step and epoch are `carry`."""
+        """A handle set up with `options` whose `(params, model state, optimizer state, step, epoch)` are
+        `carry` (`params` the user's tree; optimizer state None to initialize it)."""
         n = cls.__new__(cls)
         n._setup(e, options, carry)
         return n
 
-    def _setup(self, e, options: dict, carry: tuple | None):
+    def _setup(self, e, options: dict, carry: tuple | None, given: tuple | None = None):
         batch_size, max_epochs, accum = options["batch_size"], options["max_epochs"], options["accum"]
         for name, value in (("batch_size", batch_size), ("max_epochs", max_epochs), ("accum", accum)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
@@ -89,28 +116,38 @@ class Nitro:
         self._dev = {n: jax.device_put(v) for n, v in b.device_host.items()}
 
         if carry is not None:
-            params, opt_state, self.step, self.epoch = carry
-            # One transfer for every buffer, no per-shape copy programs: the old handle keeps its own.
-            params, opt_state = jax.device_put((params, opt_state), may_alias=False)
+            params, state, opt_state, self.step, self.epoch = carry
+            if opt_state is not None:  # a rebuild: one transfer for every buffer, no per-shape copy
+                # programs; the old handle keeps its own
+                params, state, opt_state = jax.device_put((params, state, opt_state), may_alias=False)
             # User classes in the training state (an Equinox model) re-bound to the live code, values kept.
-            self._params, opt_state = _carry.live_value(params), _carry.live_value(opt_state)
-            _carry.check_fits(b.cls, b.init, b.experiment, self.seed, self._params)
-        else:
-            rng = jax.random.PRNGKey(self.seed)
-            self._params = jax.tree.map(_strong, b.init(b.experiment, rng))
+            params, state, opt_state = _carry.live_value(params), _carry.live_value(state), _carry.live_value(opt_state)
+            _carry.check_fits(b.cls, b.init, b.experiment, self.seed, params, b.has_state)
+        elif given is not None:
+            params, state = check_given(b, jax.random.PRNGKey(self.seed), *given)
             opt_state, self.step, self.epoch = None, 0, 0
-        self._layout = (FlatLayout if self.flat_params else TreeLayout)(self._params)
-        if opt_state is None:
-            tx = b.optimizer(b.view(self._dev))
-            opt_state = tx.init(self._layout.ravel(self._params))
-            self._state = jax.tree.map(_strong, opt_state)
         else:
-            self._state = opt_state
-        self._settings = {"accum": self.accum, "layout": self._layout.signature}  # what specs' options name
+            params, state = run_init(b, jax.random.PRNGKey(self.seed))
+            opt_state, self.step, self.epoch = None, 0, 0
+        if state is not None:
+            check_state(state)
+        split = ParamSplit(params)  # refuses, at setup, a leaf neither array nor static, naming its path
+        self._params = jax.tree.map(_strong, split.dynamic(params)) if opt_state is None else split.dynamic(params)
+        self._model_state = None if state is None else jax.tree.map(_strong, state)
+        trainable = split.trainable(self._params)
+        self._layout = (FlatLayout if self.flat_params else TreeLayout)(trainable)
+        self._model = Model(split, self._layout, b.has_state, b.reserved)
+        if opt_state is None:
+            opt_state = jax.tree.map(_strong, init_optimizer(b, self._layout, trainable, self._dev))
+        self._opt_state = opt_state
+        self._settings = {"accum": self.accum, "layout": self._layout.signature, "statics": split.signature}
+        # The rng argument of the gradient program: `[seed, step]`, or None when no hook wants `rng`.
+        self._seed_step = (lambda step: np.array([self.seed, step], np.uint32)) if b.wants_rng else (lambda step: None)
 
         self._programs: dict = {}  # key -> Entry: what this handle runs (kept even if poisoned)
         self._kinds_seen: dict = {}  # kind -> key of the first program of that kind
         self._loops_reported: set = set()
+        self._checkpoints = options.get("checkpoints")
         self.history: list[dict] = _runs.History()  # a list of epoch rows, with `.table()`
         self._stop_when = _runs.early_stop(options.get("stop_when"), b.splits)
         self._run = None  # the background run training this handle, if any (`_runs.check_idle`)
@@ -118,25 +155,38 @@ class Nitro:
     # ---------------------------------------------------------------- state
     @property
     def params(self):
-        """The current parameters (the pytree `init` returned, updated by training)."""
-        return self._params
+        """The current parameters: the pytree `init` returned (an Equinox module, Flax variables, a dict),
+        updated by training, static leaves included."""
+        return self._model.split.combine(self._params)
 
     @property
     def state(self):
+        """The model state (batch statistics, say): the second value `init` returned when `forward`
+        declares `state`, updated by every training step; None when the model has none."""
+        return self._model_state
+
+    @property
+    def opt_state(self):
         """The optimizer state (over the flat parameter buffers unless `flat_params=False`)."""
-        return self._state
+        return self._opt_state
+
+    def save(self, path) -> str:
+        """Write a checkpoint (params, model and optimizer state, step, epoch, seed, history and the
+        experiment's manifest) to `path`, atomically; a directory gets `step-<step>.nitro.npz`.
+        Resume it with `Nitro(e, resume=path)`. Returns the file written."""
+        return _checkpoint.save(self, path)
 
     def rebuild(self, e=None) -> "Nitro":
-        """A new handle with the current state carried over and hooks re-bound through the class as it
-        is now: the way to pick up an edit.
+        """A new handle with the current params, model state and optimizer state carried over and hooks
+        re-bound through the class as it is now: the way to pick up an edit.
 
         **Arguments:**
         - `e`: the experiment to carry the state onto (say, re-created by the re-run cell); default this
           handle's. Refused, with a per-parameter diff, when the parameters no longer fit its `init`.
         """
         _runs.check_idle(self, "rebuild")
-        return Nitro._carrying(self.experiment if e is None else e, self._options,
-                               (self._params, self._state, self.step, self.epoch))
+        carry = (self.params, self._model_state, self._opt_state, self.step, self.epoch)
+        return Nitro._carrying(self.experiment if e is None else e, self._options, carry)
 
     def __repr__(self):
         return (
@@ -172,7 +222,7 @@ class Nitro:
         self._binding.check_graphconst_unchanged()
         entry = _cache.lookup(key)
         if entry is None:
-            fn = spec.build(self._binding, self._layout, self.accum, hook, **fields)
+            fn = spec.build(self._binding, self._model, self.accum, hook, **fields)
             entry = _compile.compile_program(key, fn, args, donate_argnums=spec.donate,
                                              info={"graphconst": self._binding.graphconst.info},
                                              record=_closure.record, compiler_options=spec.compiler_options,
@@ -187,11 +237,11 @@ class Nitro:
 
     def _grad_entry(self, batch):
         routes = self._binding.routes
-        return self._resolve(GRAD, (self._params, self._dev, batch),
-                             inputs=routes["forward"].pick(batch), targets=routes["loss"].pick(batch))
+        args = (self._params, self._model_state, self._dev, batch, self._seed_step(self.step))
+        return self._resolve(GRAD, args, inputs=routes["forward"].pick(batch), targets=routes["loss"].pick(batch))
 
     def _opt_entry(self, flat_grads):
-        return self._resolve(OPT, (self._params, flat_grads, self._state, self._dev))
+        return self._resolve(OPT, (self._params, flat_grads, self._opt_state, self._dev))
 
     # ---------------------------------------------------------------- entry points
     def _enter(self, what: str = "this entry point"):
@@ -247,6 +297,8 @@ class Nitro:
                 row.update({f"valid_{k}": v for k, v in self._evaluate("valid").items()})
             if stopper is not None and (reason := stopper.update(row)):
                 row["stopped"] = reason
+            if self._checkpoints is not None:  # after validation: `keep_best` ranks by the row's metrics
+                self._checkpoints.after_epoch(self)
             if self.progress:
                 _report.emit(Kind.EPOCH, record=row)  # `record` is the EPOCH message's field name
             if row.get("stopped"):
@@ -284,7 +336,7 @@ class Nitro:
         for batch, n_valid in eval_batches(split, fields, self.batch_size):
             x = {k: batch[k] for k in inputs}
             t = {k: batch[k] for k in targets}
-            args = (self._params, self._dev, x, t, np.int32(n_valid))
+            args = (self._params, self._model_state, self._dev, x, t, np.int32(n_valid))
             if entry is None:
                 entry = self._resolve(EVAL, args, inputs=inputs, targets=targets)
             else:
@@ -327,7 +379,7 @@ class Nitro:
         pieces = []
         entry = None
         for batch, n_valid in eval_batches(split, names, self.batch_size):
-            args = (self._params, self._dev, batch)
+            args = (self._params, self._model_state, self._dev, batch)
             if entry is None:
                 entry = self._resolve(PREDICT, args)
             else:

@@ -1,8 +1,8 @@
 """The epoch loop: steps, the Ctrl-C gate, the progress bar and the loss checks.
 
-`train_epoch` advances a handle in place. It reads and writes the handle's `_params`, `_state` and `step`
-(a step's results are stored there before Ctrl-C may land) and resolves the two training programs
-through the handle's `_grad_entry` / `_opt_entry`, which key and maybe compile them.
+`train_epoch` advances a handle in place. It reads and writes the handle's `_params`, `_model_state`,
+`_opt_state` and `step` (a step's results are stored there before Ctrl-C may land) and resolves the two
+training programs through the handle's `_grad_entry` / `_opt_entry`, which key and maybe compile them.
 
 The steady-state loop is benchmarked at the microsecond level (a tiny MLP against a hand-written loop):
 calls it makes every step are bound to locals, and counters and messages wait for a sync point.
@@ -98,7 +98,7 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
             if n.progress and not gate.quiet:
                 bar = progress_bar(steps, f"epoch {n.epoch + 1}")
                 bar.update(1)
-            grad_call, opt_call = grad.call, opt.call
+            grad_call, opt_call, seed_step = grad.call, opt.call, n._seed_step
             append, perf_counter = losses.append, time.perf_counter
             next_sync = perf_counter() + _SYNC_SECONDS
             for batch in batches:
@@ -108,8 +108,9 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
                 if schedules:
                     apply_schedules(dev, n.step)
                 if stable:
-                    flat_grads, loss = grad_call(n._params, dev, batch)
-                    n._params, n._state = opt_call(n._params, flat_grads, n._state, dev)
+                    flat_grads, loss, n._model_state = grad_call(n._params, n._model_state, dev, batch,
+                                                                 seed_step(n.step))
+                    n._params, n._opt_state = opt_call(n._params, flat_grads, n._opt_state, dev)
                     reused += 1
                 else:  # slow path: re-key every step (and report the loop)
                     gate.defer = False  # nothing is donated yet, and a compile may follow
@@ -141,10 +142,10 @@ def keyed_step(n, batch, gate: InterruptGate):
     step when the optimizer's outputs would move its key. Ctrl-C is held only once the optimizer
     program, which donates params and state, is about to run."""
     grad = n._grad_entry(batch)
-    flat_grads, loss = grad.call(n._params, n._dev, batch)
+    flat_grads, loss, n._model_state = grad.call(n._params, n._model_state, n._dev, batch, n._seed_step(n.step))
     opt = n._opt_entry(flat_grads)
     gate.defer = True
-    n._params, n._state = opt.call(n._params, flat_grads, n._state, n._dev)
+    n._params, n._opt_state = opt.call(n._params, flat_grads, n._opt_state, n._dev)
     return grad, opt, loss
 
 
