@@ -331,6 +331,7 @@ def code_fingerprint(code: types.CodeType) -> str:
 
 
 _CONST_LOADS = frozenset(dis.hasconst)
+_EXTENDED_ARG = dis.opmap["EXTENDED_ARG"]
 
 
 def _docstring_index(code: types.CodeType) -> int | None:
@@ -344,8 +345,12 @@ def _docstring_index(code: types.CodeType) -> int | None:
     # as nothing too (when the bytecode does not load that None).
     if not consts or (type(consts[0]) is not str and consts[0] is not None) or not code.co_flags & inspect.CO_NEWLOCALS:
         return None
-    for ins in dis.get_instructions(code):
-        if ins.opcode in _CONST_LOADS and ins.arg == 0:
+    # The raw bytecode, not `dis` (this runs for every function fingerprinted): 2-byte units of opcode and
+    # argument; an `EXTENDED_ARG` before one makes its argument larger than 0.
+    co = code.co_code
+    extended = _EXTENDED_ARG
+    for i in range(0, len(co), 2):
+        if co[i + 1] == 0 and co[i] in _CONST_LOADS and (i == 0 or co[i - 2] != extended):
             return None
     return 0
 

@@ -29,13 +29,13 @@ def reads(code: types.CodeType) -> Reads:
         return hit[1]
     names, attrs, self_attrs = {}, {}, {}
     first = code.co_varnames[0] if code.co_argcount and code.co_varnames else None
-    for ins, after in _pairs(code):
-        if first is not None and ins.opname == "LOAD_FAST" and ins.argval == first and after is not None:
-            if after.opname in _ATTR_LOADS:
-                self_attrs[after.argval] = None
     for c in (code, *nested(code)):
         previous = None
+        on_self = False  # the previous instruction loaded `code`'s first argument (`self`)
         for ins in dis.get_instructions(c):
+            if on_self and ins.opname in _ATTR_LOADS:
+                self_attrs[ins.argval] = None
+            on_self = c is code and first is not None and ins.opname == "LOAD_FAST" and ins.argval == first
             if ins.opname in _GLOBAL_LOADS:
                 names[ins.argval] = None
                 previous = ins.argval
@@ -47,8 +47,3 @@ def reads(code: types.CodeType) -> Reads:
     _reads_memo[id(code)] = (code, found)
     return found
 
-
-def _pairs(code: types.CodeType):
-    """Each instruction of `code` with the one after it (None after the last)."""
-    ins = list(dis.get_instructions(code))
-    return zip(ins, [*ins[1:], None])
