@@ -14,6 +14,7 @@ import numpy as np
 import optax
 
 from . import _closure
+from ._checks import check_positional_not_a_field, check_schedule_value, check_schedules_arg
 from ._data import check_splits
 from ._errors import NitroTypeError, NitroValueError
 from ._fields import CompileView, GraphConstPrints, field_kinds, graphconst_prints, short_repr
@@ -135,6 +136,12 @@ class Binding:
                 )
             dev[name] = value
 
+    def first_schedules(self, dev: dict, step: int):
+        """`apply_schedules` with each value checked (type, dtype, shape, finite): the first step of a
+        `train()`, before anything compiles. Later steps are checked on device (`_guard`)."""
+        for name, fn in self.schedules.items():
+            dev[name] = check_schedule_value(self.cls, name, fn, step, self.device_host[name])
+
 
 def bind(e, data=None, schedules: dict | None = None) -> Binding:
     """Bind experiment `e` through its live class.
@@ -175,9 +182,12 @@ def bind(e, data=None, schedules: dict | None = None) -> Binding:
         data = cls.data(e)
     splits = check_splits(data)
     _check_routes(cls, splits, routes, loss is not None)
+    check_positional_not_a_field(cls, forward, "forward", "params", splits)
+    if loss is not None:
+        check_positional_not_a_field(cls, loss, "loss", "outputs", splits)
 
     device_host = {n: _device_value(cls, n, getattr(e, n)) for n, k in kinds.items() if k == "Device"}
-    schedules = live_schedules(dict(schedules or {}))  # a schedule edited since is called as it is now
+    schedules = live_schedules(check_schedules_arg(schedules))  # a schedule edited since is called as it is now
     _check_schedules(cls, schedules, device_host)
 
     return Binding(

@@ -14,15 +14,16 @@ binding.
 import jax
 import numpy as np
 
-from . import _cache, _carry, _checkpoint, _closure, _compile, _loop, _report, _runs, _store
+from . import _cache, _carry, _checkpoint, _closure, _compile, _html, _loop, _progress, _report, _runs, _store
 from ._binding import bind
+from ._checks import (check_metric_count, check_metric_result, check_metric_sum_shape, check_not_empty,
+                      check_on_nonfinite)
 from ._data import check_splits, eval_batches, split_len, steps_per_epoch
-from ._errors import NitroTypeError, NitroValueError
-from ._fields import short_repr
+from ._errors import NitroValueError
 from ._layout import FlatLayout, TreeLayout
 from ._model import Model, ParamSplit, check_given, check_state, run_init, strong
 from ._optimizer import init_optimizer
-from ._programs import EVAL, GRAD, METRIC, OPT, PREDICT, program_key
+from ._programs import EVAL, GRAD, METRIC, OPT, PREDICT, make_predict, program_key
 from ._report import Kind
 
 
@@ -48,6 +49,10 @@ class Nitro:
       `checkpoint_dir` (a fresh start when there is none). A changed GraphConst field is refused.
     - `checkpoint_dir`, `checkpoint_every` (epochs), `keep` (newest checkpoints kept; None: all),
       `keep_best` (`(metric, "min" | "max")`, e.g. `("valid_loss", "min")`: that one is kept too).
+    - `on_nonfinite`: what a step with a NaN or infinite loss, gradient or Device value does. Either way
+      its update is never applied (checked on device, inside the optimizer program). `"raise"` (default):
+      training stops with `NonFiniteLossError` naming the step and the cause, the handle holding the last
+      finite parameters; `"skip"`: the step is skipped and counted (`skipped` on the epoch line).
     - `stop_when`: `(metric, "min" | "max", patience)`: early stopping on an epoch row's metric, e.g.
       `("valid_loss", "min", 3)`; the row where it fires says so in `row["stopped"]`.
     """
@@ -71,12 +76,13 @@ class Nitro:
         checkpoint_every: int | None = None,
         keep: int | None = None,
         keep_best: tuple | None = None,
+        on_nonfinite: str = "raise",
         stop_when: tuple | None = None,
     ):
         options = dict(
             data=data, batch_size=batch_size, max_epochs=max_epochs, accum=accum,
             schedules=schedules, seed=seed, progress=progress, flat_params=flat_params,
-            stop_when=stop_when,
+            on_nonfinite=on_nonfinite, stop_when=stop_when,
         )
         # Checkpointing is checked before setup: a bad setting fails fast, before `init` runs.
         checkpoints = (None if checkpoint_every is None
@@ -109,6 +115,7 @@ class Nitro:
         self.batch_size, self.max_epochs, self.accum = int(batch_size), int(max_epochs), int(accum)
         self.seed, self.progress, self.flat_params = options["seed"], options["progress"], options["flat_params"]
         self._options = options
+        self.on_nonfinite = check_on_nonfinite(options.get("on_nonfinite", "raise"))
         # The handle is a fixed point from here on: hooks, routes and fingerprints are bound now.
         self._binding = b = bind(e, options["data"], options["schedules"])
         self.experiment = b.experiment
@@ -140,7 +147,8 @@ class Nitro:
         if opt_state is None:
             opt_state = jax.tree.map(_strong, init_optimizer(b, self._layout, trainable, self._dev))
         self._opt_state = opt_state
-        self._settings = {"accum": self.accum, "layout": self._layout.signature, "statics": split.signature}
+        self._settings = {"accum": self.accum, "layout": self._layout.signature, "statics": split.signature,
+                          "on_nonfinite": self.on_nonfinite}  # what specs' options name
         # The rng argument of the gradient program: `[seed, step]`, or None when no hook wants `rng`.
         self._seed_step = (lambda step: np.array([self.seed, step], np.uint32)) if b.wants_rng else (lambda step: None)
 
@@ -186,7 +194,9 @@ class Nitro:
         """
         _runs.check_idle(self, "rebuild")
         carry = (self.params, self._model_state, self._opt_state, self.step, self.epoch)
-        return Nitro._carrying(self.experiment if e is None else e, self._options, carry)
+        new = Nitro._carrying(self.experiment if e is None else e, self._options, carry)
+        new.__dict__["_curve"] = list(self.__dict__.get("_curve", ()))  # the loss chart goes on where it was
+        return new
 
     def __repr__(self):
         return (
@@ -240,8 +250,9 @@ class Nitro:
         args = (self._params, self._model_state, self._dev, batch, self._seed_step(self.step))
         return self._resolve(GRAD, args, inputs=routes["forward"].pick(batch), targets=routes["loss"].pick(batch))
 
-    def _opt_entry(self, flat_grads):
-        return self._resolve(OPT, (self._params, flat_grads, self._opt_state, self._dev))
+    def _opt_entry(self, flat_grads, loss, guard):
+        return self._resolve(OPT, (self._params, flat_grads, self._opt_state, self._dev, loss, guard),
+                             halt=self.on_nonfinite == "raise")
 
     # ---------------------------------------------------------------- entry points
     def _enter(self, what: str = "this entry point"):
@@ -280,6 +291,22 @@ class Nitro:
         return _runs.foreground(control, work)
 
     def _train_epochs(self, control, split: dict, fields, steps: int, epochs: int) -> list[dict]:
+        # This call's progress report (None with `progress=False`); the loop reads it from the handle.
+        progress = self.__dict__["_progress"] = _progress.start(self, epochs, steps, quiet=control.quiet)
+        try:
+            rows = self._epochs(control, split, fields, epochs, progress)
+        except BaseException as err:
+            if progress is not None:
+                progress.close(err)
+            raise
+        finally:
+            self.__dict__["_progress"] = None
+        if progress is not None:
+            progress.close()
+        return rows
+
+    def _epochs(self, control, split: dict, fields, epochs: int, progress) -> list[dict]:
+        steps = control.steps
         b = self._binding
         rows = control.rows
         stopper = self._stop_when.fresh() if self._stop_when is not None else None
@@ -287,7 +314,10 @@ class Nitro:
             if control.pending:  # a stop asked for between epochs (during validation)
                 raise KeyboardInterrupt
             control.begin_epoch()
-            row = {"epoch": self.epoch + 1, "loss": _loop.train_epoch(self, split, fields, steps, control)}
+            loss, skipped = _loop.train_epoch(self, split, fields, steps, control)
+            row = {"epoch": self.epoch + 1, "loss": loss}
+            if self.on_nonfinite == "skip":
+                row["skipped"] = skipped
             self.epoch += 1
             # In the history before validation, so an interrupt there keeps the epoch's row.
             self.history.append(row)
@@ -299,6 +329,8 @@ class Nitro:
                 row["stopped"] = reason
             if self._checkpoints is not None:  # after validation: `keep_best` ranks by the row's metrics
                 self._checkpoints.after_epoch(self)
+            if progress is not None:
+                progress.end_epoch(row)
             if self.progress:
                 _report.emit(Kind.EPOCH, record=row)  # `record` is the EPOCH message's field name
             if row.get("stopped"):
@@ -311,6 +343,14 @@ class Nitro:
         run trains). A Host field is set on `n.experiment` (compiled code never reads it). A GraphConst
         field is refused: a new value means new programs (a new experiment, or an edit and `rebuild`)."""
         _runs.set_fields(self, values)
+
+    def plot(self) -> "_html.LossChart":
+        """The loss chart of this handle's training: train loss at each sync point (per epoch when it
+        trained with `progress=False`), validation loss per epoch, as the live panel draws it. Displays as
+        SVG in a notebook and as a one-line summary elsewhere."""
+        curve = self.__dict__.get("_curve") or [(r["epoch"], r["loss"]) for r in self.history]
+        valid = [(float(r["epoch"]), r["valid_loss"]) for r in self.history if "valid_loss" in r]
+        return _html.LossChart(curve, valid)
 
     def validate(self) -> dict:
         """Evaluate on the `valid` split: `{"loss": ..., <metric>: ...}`."""
@@ -326,6 +366,7 @@ class Nitro:
         b = self._binding
         split = b.split(split_name)
         n = split_len(split)
+        check_not_empty(split_name, n, "evaluating it")
         inputs = b.routes["forward"].pick(split)
         targets = b.routes["loss"].pick(split) if b.loss is not None else ()
         metric_fields = {name: b.routes[name].pick(split) for name in b.metrics}
@@ -360,6 +401,8 @@ class Nitro:
             out["loss"] = float(np.sum(np.asarray(jax.device_get(loss_sums), np.float64)) / n)
         for name, (s, c) in sums.items():
             s, c = jax.device_get(s), jax.device_get(c)
+            if c is not None:
+                check_metric_count(split_name, name, c)
             value = np.asarray(s) / c if c is not None else np.asarray(s)
             out[name] = float(value) if np.ndim(value) == 0 else value
         return out
@@ -376,6 +419,10 @@ class Nitro:
                 f"`predict` needs the `forward` inputs {', '.join(f'`{m}`' for m in missing)}; got "
                 f"{', '.join(f'`{k}`' for k in split)}."
             )
+        if split_len(split) == 0:  # zero rows: empty outputs of the right shape, traced, never compiled
+            fn = make_predict(self._binding.view, self._binding.forward, self._model, self._binding.cls.__qualname__)
+            shapes = jax.eval_shape(fn, self._params, self._model_state, self._dev, {k: split[k] for k in names})
+            return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
         pieces = []
         entry = None
         for batch, n_valid in eval_batches(split, names, self.batch_size):
@@ -390,19 +437,10 @@ class Nitro:
 
 
 def _accumulate(sums: dict, hook_name: str, result):
-    if not isinstance(result, dict):
-        raise NitroTypeError(
-            f"metric hook `{hook_name}` must return `{{name: (sum, count)}}`; got {type(result).__qualname__}."
-        )
-    for name, pair in result.items():
-        if not (isinstance(pair, tuple) and len(pair) == 2):
-            raise NitroTypeError(
-                f"metric `{name}` from hook `{hook_name}` must be a `(sum, count)` pair (count None to "
-                f"never divide); got {short_repr(pair)}."
-            )
-        s, c = pair
+    for name, (s, c) in check_metric_result(hook_name, result).items():
         if name in sums:
             s0, c0 = sums[name]
+            check_metric_sum_shape(hook_name, name, s0, s)
             sums[name] = (s0 + s, None if c is None else c0 + c)
         else:
             sums[name] = (s, c)

@@ -68,8 +68,8 @@ def batch_fields(cls, fn, n_positional: int) -> tuple[tuple[str, ...], tuple[str
     params = list(sig.parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(positional) < n_positional and not any(p.kind is p.VAR_POSITIONAL for p in params):
-        want = {2: "(self, rng)" if fn.__name__ == "init" else "(self, params, **inputs)"}
-        shape = want.get(n_positional, "(self, outputs, **fields)")
+        shape = {"init": "(self, rng)", "forward": "(self, params, *, x)",
+                 "loss": "(self, outputs, *, y)"}.get(fn.__name__, "(self, outputs, **fields)")
         raise NitroTypeError(
             f"hook `{cls.__qualname__}.{fn.__name__}{sig}` takes too few positional parameters; "
             f"expected `{fn.__name__}{shape}`."

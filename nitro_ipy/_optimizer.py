@@ -9,6 +9,7 @@ import types
 import jax
 import numpy as np
 
+from ._checks import check_optimizer
 from ._errors import NitroTypeError, NitroValueError
 
 # Closure cells optax's path-aware transformations keep (`optax.masked`, `add_decayed_weights(mask=)`,
@@ -92,6 +93,7 @@ def init_optimizer(b, layout, trainable, dev: dict):
     owner = b.cls.__qualname__
     flat = layout.ravel(trainable)
     tx = b.optimizer(b.view(dev))
+    check_optimizer(b.cls, tx)
     if layout.signature[0] == "flat":
         cells = path_cells(tx)
         if cells:

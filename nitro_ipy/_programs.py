@@ -5,7 +5,8 @@ function that `jax.jit(...).lower(...)` traces:
 
 - gradient: `(params, state, dev, batch, rng) -> (flat grads, mean loss, new state)`, a `lax.scan` over
   `accum` micro-batches (`rng` is `[seed, step]`, or None when no hook declares `rng`);
-- optimizer: `(params, flat grads, opt state, dev) -> (params, opt state)`, separate even at accum=1;
+- optimizer: `(params, flat grads, opt state, dev, loss, guard) -> (params, opt state, guard)`, separate
+  even at accum=1; a non-finite step keeps the old params and state (`_guard`);
 - evaluation forward: `(params, state, dev, inputs, targets, n_valid) -> (outputs, loss sum over valid rows)`;
 - device metric: `(dev, outputs, fields) -> {name: (sum, count)}`;
 - predict: `(params, state, dev, inputs) -> outputs`.
@@ -25,7 +26,9 @@ import jax.numpy as jnp
 import optax
 
 from ._cache import Key, arg_signature
+from ._checks import check_loss, check_metric_result
 from ._compile import OPTIMIZER_OPTIONS
+from ._guard import guarded, parts
 from ._model import EVAL_KEY_SEED, forward_result, step_key
 
 
@@ -43,8 +46,9 @@ def call_forward(model, owner, forward, view, params, inputs: dict, state, key, 
 
 
 def call_loss(model, loss, view, outputs, targets: dict, train: bool):
+    """The `loss` hook's value, checked to be a real scalar (`_checks.check_loss`)."""
     extra = {"train": train} if "train" in model.reserved.get("loss", ()) else {}
-    return loss(view, outputs, **targets, **extra)
+    return check_loss(loss(view, outputs, **targets, **extra))
 
 
 def make_gradient(view_of, forward, loss, input_names, target_names, model, accum: int, owner: str = ""):
@@ -80,18 +84,20 @@ def make_gradient(view_of, forward, loss, input_names, target_names, model, accu
     return gradient
 
 
-def make_optimizer(view_of, optimizer, model):
+def make_optimizer(view_of, optimizer, model, halt: bool = True):
     split, layout = model.split, model.layout
 
-    def update(params, flat_grads, opt_state, dev):
+    def update(params, flat_grads, opt_state, dev, loss, guard):
         tx = optimizer(view_of(dev))
         trainable = split.trainable(params)
         # The flat params are only built for an optimizer that reads them (weight decay, say): for one
         # that does not, XLA drops the concatenation, and a step never copies the whole model. The
         # updates are then added array by array, exactly as `apply_updates` on the flat buffer would.
-        updates, opt_state = tx.update(flat_grads, opt_state, layout.ravel(trainable))
-        trainable = optax.apply_updates(trainable, layout.unravel(updates))
-        return split.with_trainable(params, trainable), opt_state
+        updates, new_state = tx.update(flat_grads, opt_state, layout.ravel(trainable))
+        new_params = split.with_trainable(params, optax.apply_updates(trainable, layout.unravel(updates)))
+        # A non-finite loss, gradient or Device value keeps the old buffers (`_guard`): checked here,
+        # where params and state are donated, so no step ever syncs with the host to find out.
+        return guarded(guard, parts(loss, flat_grads, dev), (new_params, new_state), (params, opt_state), halt)
 
     return update
 
@@ -102,7 +108,7 @@ def per_example_loss(view, loss, outputs, targets: dict):
 
     def one(o, t):
         add_axis = lambda a: a[None]
-        return loss(view, jax.tree.map(add_axis, o), **jax.tree.map(add_axis, t))
+        return check_loss(loss(view, jax.tree.map(add_axis, o), **jax.tree.map(add_axis, t)))
 
     return jax.vmap(one)(outputs, targets)
 
@@ -126,7 +132,7 @@ def make_eval(view_of, forward, loss, input_names, target_names, model, owner: s
 
 def make_metric(view_of, hook):
     def metric(dev, outputs, fields):
-        return hook(view_of(dev), outputs, **fields)
+        return check_metric_result(hook.__name__, hook(view_of(dev), outputs, **fields))
 
     return metric
 
@@ -161,8 +167,8 @@ def _build_grad(b, model, accum, hook, *, inputs, targets):
     return make_gradient(b.view, b.forward, b.loss, inputs, targets, model, accum, b.cls.__qualname__)
 
 
-def _build_opt(b, model, accum, hook):
-    return make_optimizer(b.view, b.optimizer, model)
+def _build_opt(b, model, accum, hook, *, halt=True):
+    return make_optimizer(b.view, b.optimizer, model, halt)
 
 
 def _build_eval(b, model, accum, hook, *, inputs, targets):
@@ -179,8 +185,9 @@ def _build_predict(b, model, accum, hook):
 
 GRAD = Spec("grad", ("forward", "loss"), ("params", "state", "device", "batch", "rng"), _build_grad,
             options=("accum", "layout", "statics"), loops=True)
-OPT = Spec("opt", ("optimizer",), ("params", "grads", "opt_state", "device"), _build_opt,
-           options=("layout", "statics"), donate=(0, 2), compiler_options=OPTIMIZER_OPTIONS, loops=True)
+OPT = Spec("opt", ("optimizer",), ("params", "grads", "opt_state", "device", "loss", "guard"), _build_opt,
+           options=("layout", "statics", "on_nonfinite"), donate=(0, 2, 5), compiler_options=OPTIMIZER_OPTIONS,
+           loops=True)
 EVAL = Spec("eval", ("forward", "loss"), ("params", "state", "device", "inputs", "targets", "n_valid"), _build_eval,
             options=("statics",))
 METRIC = Spec("metric", (), ("device", "outputs", "fields"), _build_metric)  # one per hook: `metric:<hook>`
