@@ -19,8 +19,10 @@ from ._data import check_splits
 from ._errors import NitroTypeError, NitroValueError
 from ._fields import CompileView, GraphConstPrints, field_kinds, graphconst_prints, short_repr
 from ._fingerprint import Unfingerprintable, code_fingerprint, fingerprint, function_fingerprint
+from ._carry import edited_schedules, live_experiment, live_schedules
 from ._hooks import batch_fields, hook, live_class, metric_hooks
 from ._model import reserved_params
+from ._world import world
 
 
 def _default_optimizer(self):
@@ -62,6 +64,7 @@ class Binding:
     schedules: dict  # {Device field: fn(step) -> value}
     splits: dict  # {split name: {batch field: array}}
     reserved: dict  # {hook name: frozenset of the reserved parameters (`rng`, `train`, `state`) it declares}
+    schedule_memo: dict = dataclasses.field(default_factory=dict)  # `edited_schedules` per world
 
     @property
     def has_state(self) -> bool:
@@ -93,6 +96,15 @@ class Binding:
                     f"instead (`e = dataclasses.replace(e, {name}=...)`) and build a new handle "
                     f"(`Nitro(e, ...)`)."
                 )
+
+    def edited_schedules(self) -> tuple:
+        """The schedules whose name holds other code now (memoized on `world()`: an entry point after no
+        redefinition pays one comparison)."""
+        now = world()
+        memo = self.schedule_memo
+        if memo.get("world") != now:
+            memo["world"], memo["edited"] = now, edited_schedules(self.schedules)
+        return memo["edited"]
 
     def split(self, name: str) -> dict:
         """Split `name`, or an error naming the splits this handle has and how to add one."""
@@ -146,6 +158,7 @@ def bind(e, data=None, schedules: dict | None = None) -> Binding:
     cls = live_class(type(e))
     if cls is not type(e):
         e = _rebind(e, cls)
+    e = live_experiment(e)  # instances of user classes in GraphConst fields, re-bound likewise
     graphconst = graphconst_prints(e)
     kinds = field_kinds(cls)
 
@@ -174,7 +187,7 @@ def bind(e, data=None, schedules: dict | None = None) -> Binding:
         check_positional_not_a_field(cls, loss, "loss", "outputs", splits)
 
     device_host = {n: _device_value(cls, n, getattr(e, n)) for n, k in kinds.items() if k == "Device"}
-    schedules = check_schedules_arg(schedules)
+    schedules = live_schedules(check_schedules_arg(schedules))  # a schedule edited since is called as it is now
     _check_schedules(cls, schedules, device_host)
 
     return Binding(

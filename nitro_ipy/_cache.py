@@ -305,7 +305,14 @@ def store(entry: Entry, claimed: Claim | None = None) -> None:
     with _lock:
         state = _state if claimed is None else claimed.state
         state.misses += 1
-        state.entries[entry.key] = entry
+        superseded = getattr(entry.closure, "superseded", ())
+        if superseded:
+            # Its trace ran code that is not the live version: stale at birth. The handle that compiled
+            # it runs it (and is told); no other handle is ever served it.
+            entry.poisoned, entry.drifted = True, tuple(superseded)
+            state.poisoned.append(Poisoned(entry))
+        else:
+            state.entries[entry.key] = entry
         if claimed is not None:
             state.compiling.pop(claimed.key, None)
             claimed.entry = entry

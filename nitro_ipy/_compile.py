@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from . import _cache, _report, _store
+from ._carry import Retreed, holds_user_instances
 from ._compat import (
     FUSION_EMITTERS_OPTION,
     OPTIMIZATION_LEVEL_OPTION,
@@ -113,6 +114,8 @@ def _build(key, fn, args, donate_argnums, info, record, compiler_options, source
     t1 = time.perf_counter()
     compiled, used = xla_compile(lowered, program_options(traced.jaxpr, compiler_options))
     t2 = time.perf_counter()
+    if holds_user_instances(args):
+        compiled = Retreed(compiled)  # callable with a re-run model cell's instances (`_carry`)
     return _cache.Entry(
         key, compiled, t1 - t0, t2 - t1, closure, info or {}, why, compiler_options=used,
         operations=sum(1 for _ in jaxpr_eqns([traced.jaxpr])),

@@ -5,9 +5,11 @@ anything whose only notion of equality is identity is refused with the path at w
 """
 
 import dataclasses
+import dis
 import enum
 import functools
 import hashlib
+import inspect
 import math
 import struct
 import sys
@@ -153,6 +155,7 @@ class _Hasher:
         elif dataclasses.is_dataclass(v) and not isinstance(v, type):
             self.tag(b"dataclass")
             self.text(_qualname(t))
+            self.text(_library_version(t.__module__))  # a Flax or Equinox module: its code is its version
             for f in dataclasses.fields(v):
                 self.text(f.name)
                 self.value(getattr(v, f.name), f"{path}.{f.name}")
@@ -189,6 +192,9 @@ class _Hasher:
             self.tag(b"wrapped")
             self.text(_qualname(t))
             self.value(v.__wrapped__, f"{path}.__wrapped__")
+        elif t is types.SimpleNamespace:
+            self.tag(b"namespace")
+            self.value(vars(v), path)
         elif isinstance(v, (range, slice)):
             self.tag(t.__name__.encode())
             self.value((v.start, v.stop, v.step), path)
@@ -228,9 +234,10 @@ class _Hasher:
     def cls(self, c, path):
         self.tag(b"class")
         self.text(_qualname(c))
-        # A user's class by its methods' code, a library's by its name (its code only changes with a
-        # package upgrade, which restarts the kernel anyway).
+        # A user's class by its methods' code, a library's by its name and its package's version (its
+        # code only changes with an upgrade; a program stored on disk must not outlive one).
         if not is_user_module(c.__module__):
+            self.text(_library_version(c.__module__))
             return
         for name, attr in sorted(vars(c).items()):
             if isinstance(attr, (staticmethod, classmethod)):
@@ -238,6 +245,30 @@ class _Hasher:
             if isinstance(attr, types.FunctionType):
                 self.text(name)
                 self.function(attr, f"{path}.{name}")
+
+
+_versions = Memo("package versions", maxsize=1024)
+
+
+def _library_version(module: str) -> str:
+    """`package version` of the installed package `module` belongs to; "" for user code (judged by
+    its code instead) and for a package without a version."""
+    top = (module or "").partition(".")[0]
+    hit = _versions.get(top)
+    if hit is None:
+        if is_user_module(module or "") or top in ("builtins", "__main__"):
+            hit = ""
+        else:
+            hit = str(getattr(sys.modules.get(top), "__version__", "") or "")
+            if not hit:
+                try:
+                    from importlib.metadata import version
+
+                    hit = version(top)
+                except Exception:  # not a distribution (the standard library): its name is enough
+                    hit = ""
+        _versions[top] = hit
+    return hit
 
 
 def _dtype_text(dt: np.dtype) -> str:
@@ -286,14 +317,42 @@ def code_fingerprint(code: types.CodeType) -> str:
         put(str(getattr(code, attr)).encode())
     for attr in ("co_names", "co_varnames", "co_freevars", "co_cellvars"):
         put(repr(getattr(code, attr)).encode())
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
+    docstring = _docstring_index(code)
+    for i, const in enumerate(code.co_consts):
+        if i == docstring:
+            put(b"doc")  # a docstring-only edit is no edit of the program
+        elif isinstance(const, types.CodeType):
             put(b"code:" + code_fingerprint(const).encode())
         else:
             put(_const_fingerprint(const).encode())
     digest = h.hexdigest()
     _code_memo[id(code)] = (code, digest)
     return digest
+
+
+_CONST_LOADS = frozenset(dis.hasconst)
+_EXTENDED_ARG = dis.opmap["EXTENDED_ARG"]
+
+
+def _docstring_index(code: types.CodeType) -> int | None:
+    """0 when `co_consts[0]` is the function's docstring, else None.
+
+    A function's docstring is its first constant (3.11 to 3.13), which its bytecode never loads; a first
+    string constant that the code does load (`return "abc"`) is a value, not a docstring.
+    """
+    consts = code.co_consts
+    # A function without one has None there on 3.11 and 3.12, so adding or removing a docstring counts
+    # as nothing too (when the bytecode does not load that None).
+    if not consts or (type(consts[0]) is not str and consts[0] is not None) or not code.co_flags & inspect.CO_NEWLOCALS:
+        return None
+    # The raw bytecode, not `dis` (this runs for every function fingerprinted): 2-byte units of opcode and
+    # argument; an `EXTENDED_ARG` before one makes its argument larger than 0.
+    co = code.co_code
+    extended = _EXTENDED_ARG
+    for i in range(0, len(co), 2):
+        if co[i + 1] == 0 and co[i] in _CONST_LOADS and (i == 0 or co[i - 2] != extended):
+            return None
+    return 0
 
 
 def _const_fingerprint(const) -> str:

@@ -14,7 +14,7 @@ binding.
 import jax
 import numpy as np
 
-from . import _cache, _checkpoint, _closure, _compile, _html, _loop, _progress, _report, _runs, _store
+from . import _cache, _carry, _checkpoint, _closure, _compile, _html, _loop, _progress, _report, _runs, _store
 from ._binding import bind
 from ._checks import (check_metric_count, check_metric_result, check_metric_sum_shape, check_not_empty,
                       check_on_nonfinite)
@@ -127,6 +127,9 @@ class Nitro:
             if opt_state is not None:  # a rebuild: one transfer for every buffer, no per-shape copy
                 # programs; the old handle keeps its own
                 params, state, opt_state = jax.device_put((params, state, opt_state), may_alias=False)
+            # User classes in the training state (an Equinox model) re-bound to the live code, values kept.
+            params, state, opt_state = _carry.live_value(params), _carry.live_value(state), _carry.live_value(opt_state)
+            _carry.check_fits(b.cls, b.init, b.experiment, self.seed, params, b.has_state)
         elif given is not None:
             params, state = check_given(b, jax.random.PRNGKey(self.seed), *given)
             opt_state, self.step, self.epoch = None, 0, 0
@@ -181,12 +184,17 @@ class Nitro:
         Resume it with `Nitro(e, resume=path)`. Returns the file written."""
         return _checkpoint.save(self, path)
 
-    def rebuild(self) -> "Nitro":
-        """A new handle on the same experiment with the current params, model state and optimizer state
-        carried over and hooks re-bound through the class as it is now: the way to pick up an edit."""
+    def rebuild(self, e=None) -> "Nitro":
+        """A new handle with the current params, model state and optimizer state carried over and hooks
+        re-bound through the class as it is now: the way to pick up an edit.
+
+        **Arguments:**
+        - `e`: the experiment to carry the state onto (say, re-created by the re-run cell); default this
+          handle's. Refused, with a per-parameter diff, when the parameters no longer fit its `init`.
+        """
         _runs.check_idle(self, "rebuild")
         carry = (self.params, self._model_state, self._opt_state, self.step, self.epoch)
-        new = Nitro._carrying(self.experiment, self._options, carry)
+        new = Nitro._carrying(self.experiment if e is None else e, self._options, carry)
         new.__dict__["_curve"] = list(self.__dict__.get("_curve", ()))  # the loss chart goes on where it was
         return new
 
@@ -251,9 +259,10 @@ class Nitro:
         _runs.check_idle(self, what)
         _cache.ensure_fresh()
         stale = [e for e in self._programs.values() if e.poisoned]
-        if stale:
+        schedules = self._binding.edited_schedules() if self._binding.schedules else ()
+        if stale or schedules:
             _report.emit(Kind.STALE_HANDLE, handle=self, names=_report.merge_names(stale),
-                         kinds=tuple(e.kind for e in stale))
+                         kinds=tuple(e.kind for e in stale), schedules=schedules)
 
     def train(self, epochs: int | None = None, *, background: bool = False):
         """Train for `epochs` (default `max_epochs`) epochs, validating after each one when a `valid`

@@ -2,22 +2,28 @@
 
 Fingerprinting (a user class by its code, a library class by its name), dependency recording (which
 functions a trace ran, and which of their files the watcher watches: not the cells) and live-class
-binding all ask here. The rule:
+binding all ask here. The rule is positive about library code, and everything else is the user's:
 
-- **library code**: files under an excluded prefix (the standard library, installed packages, nitro_ipy
-  itself, and whatever `register_exclusion` adds), and pseudo-files (`<frozen ...>`, `<string>`,
-  `<stdin>`, `<timed exec>`) other than the notebook's own;
-- **user code**: everything else, notebook cells included (`<ipython-input-N-...>` in a terminal shell,
-  `/tmp/ipykernel_PID/HASH.py` in a kernel).
+- **library code**: files in the standard library and installed packages (the `sysconfig` library
+  directories of `sys.prefix` and `sys.base_prefix`, every `site-packages` / `dist-packages` on the
+  path, the user site), nitro_ipy itself, whatever `register_exclusion` adds; the interpreter's frozen
+  modules (`<frozen ...>`) and the pseudo-files of code generators (`_LIBRARY_PSEUDO_FILES`); and code a
+  library generates with `exec` into a user module (`is_generated`: dataclass methods, namedtuple
+  constructors), judged by its library;
+- **user code**: everything else. Notebook cells of every front end (`<ipython-input-N-...>` in a
+  terminal shell, `/tmp/ipykernel_PID/HASH.py` in a kernel, VS Code's cell names), `%%time`'s
+  `<timed exec>`, `%%timeit`'s `<magic-timeit>`, `%run` scripts, the plain REPL (`<stdin>`), `python -c`
+  and the user's own `exec` strings (`<string>`), and the user's module files.
 
-Which pseudo-files count as user code is `_USER_PSEUDO_FILES`; which paths count as library code is
-`_exclusions`. A change of rule is a change to one of those two.
+A change of rule is a change to `_exclusions`, `_LIBRARY_PSEUDO_FILES` or `_GENERATED`.
 """
 
 from __future__ import annotations
 
 import os
+import site
 import sys
+import sysconfig
 import types
 
 from ._memo import Memo
@@ -25,6 +31,7 @@ from ._memo import Memo
 __all__ = [
     "class_namespace",
     "is_cell_file",
+    "is_generated",
     "is_user_file",
     "is_user_function",
     "is_user_module",
@@ -33,18 +40,37 @@ __all__ = [
     "user_namespaces",
 ]
 
+def _library_dirs() -> set[str]:
+    """The standard library's and the installed packages' directories (not a whole prefix: a project
+    checked out inside a virtual environment's directory is still the user's)."""
+    dirs = set()
+    for base in {sys.prefix, sys.base_prefix, sys.exec_prefix}:
+        paths = sysconfig.get_paths(vars={"base": base, "platbase": base, "installed_base": base,
+                                          "installed_platbase": base})
+        dirs.update(paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if paths.get(k))
+    try:
+        dirs.update(site.getsitepackages())
+        dirs.add(site.getusersitepackages())
+    except AttributeError:  # an embedded interpreter's stripped `site`
+        pass
+    dirs.update(p for p in sys.path if p.rstrip(os.sep).endswith(("site-packages", "dist-packages")))
+    return {os.path.join(os.path.abspath(d), "") for d in dirs if d}
+
+
 # Path prefixes of library code. nitro_ipy's own directory is one: its code is library code everywhere
 # (in a checkout as much as in site-packages).
-_exclusions: list[str] = sorted(
-    {p for p in (sys.prefix, sys.base_prefix, sys.exec_prefix) if p}
-    | {p for p in sys.path if p.endswith(("site-packages", "dist-packages"))}
-    | {os.path.dirname(os.path.abspath(__file__)) + os.sep}
-)
+_exclusions: list[str] = sorted(_library_dirs() | {os.path.dirname(os.path.abspath(__file__)) + os.sep})
 _prefixes: tuple[str, ...] = tuple(_exclusions)
 
-# Pseudo-files (`<...>`) holding user code: a terminal IPython shell's cells. Every other pseudo-file is
-# the interpreter's or a library's (`<frozen importlib._bootstrap>`, `<string>`, `<timed exec>`).
-_USER_PSEUDO_FILES = ("<ipython-input",)
+# Pseudo-files (`<...>`) that hold library code: the interpreter's frozen modules and code generators'
+# files. Every other pseudo-file holds the user's code: cells, `%%time`, `%%timeit`, `exec`, the REPL.
+_LIBRARY_PSEUDO_FILES = ("<frozen ", "<attrs generated", "<decorator-gen-", "<__array_function__", "<makefun-gen")
+
+# Code a library `exec`s into a user's module, found by its name: dataclasses compiles each generated
+# method inside a `__create_fn__` (3.11 to 3.13), namedtuple its `__new__` in a namespace named
+# `namedtuple_<typename>`.
+_GENERATED = ("__create_fn__.",)
+_GENERATED_NAMESPACES = ("namedtuple_",)
 
 # filename -> is user code. Read on every function start while a probe records, hence a plain `dict.get`
 # (`verdicts.get`) before the full rule (`is_user_file`).
@@ -63,7 +89,7 @@ def _classify(filename: str | None) -> bool:
     if not filename:
         return False
     if filename.startswith("<"):
-        verdict = filename.startswith(_USER_PSEUDO_FILES)
+        verdict = not filename.startswith(_LIBRARY_PSEUDO_FILES)
     else:
         verdict = not filename.startswith(_prefixes) and not os.path.abspath(filename).startswith(_prefixes)
     verdicts[filename] = verdict
@@ -84,8 +110,23 @@ def is_user_module(name: str) -> bool:
     return bool(filename) and is_user_file(filename)
 
 
+def is_generated(code: types.CodeType, ns: dict | None) -> bool:
+    """True for code a library generated with `exec` (a dataclass's `__init__`, a namedtuple's `__new__`):
+    its file is a pseudo-file that user code shares, so it is told apart by its name."""
+    if not code.co_filename.startswith("<"):
+        return False
+    if code.co_qualname.startswith(_GENERATED):
+        return True
+    return ns is not None and str(ns.get("__name__", "")).startswith(_GENERATED_NAMESPACES)
+
+
 def is_user_function(fn) -> bool:
-    return isinstance(fn, types.FunctionType) and is_user_file(fn.__code__.co_filename)
+    """True for a plain function of user code (not one a library generated into a user module)."""
+    return (
+        isinstance(fn, types.FunctionType)
+        and is_user_file(fn.__code__.co_filename)
+        and not is_generated(fn.__code__, fn.__globals__)
+    )
 
 
 def is_cell_file(filename: str) -> bool:

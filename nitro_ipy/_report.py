@@ -116,11 +116,17 @@ def _stale_cache_text(count: int, names: tuple, kinds: tuple) -> str:
     )
 
 
-def _stale_handle_text(names: tuple, kinds: tuple, handle=None) -> str:
+def _stale_handle_text(names: tuple, kinds: tuple, handle=None, schedules: tuple = ()) -> str:
+    if not names:  # only a schedule was edited: the programs are current
+        return (
+            f"! this handle's {', '.join(schedules)} was redefined. It keeps calling the one it was built "
+            f"with; to use the current code, rebuild it: `n = n.rebuild()`"
+        )
+    also = f"; its {', '.join(schedules)} was redefined too" if schedules else ""
     return (
         f"! this handle's compiled programs had dependency methods redefined: {', '.join(names)} "
-        f"({', '.join(sorted(set(kinds)))}). It keeps running the programs it was built with; to use the "
-        f"current code, rebuild it: `n = n.rebuild()`"
+        f"({', '.join(sorted(set(kinds)))}){also}. It keeps running the programs it was built with; to "
+        f"use the current code, rebuild it: `n = n.rebuild()`"
     )
 
 

@@ -25,6 +25,7 @@ class StatsRow(NamedTuple):
     state: str  # "live", or "poisoned (<what drifted>)"
     why: str  # why it was compiled next to a similar entry, or ""
     inputs: str = ""  # the inputs summarised by human names (`summarise_inputs`)
+    untracked: tuple = ()  # what it read that has no content fingerprint: edits inside it are invisible
 
 
 class StatsTable:
@@ -204,9 +205,10 @@ def stats_table() -> StatsTable:
     entries = _cache.live_entries() + _cache.poisoned_entries()
     rows, untracked = [], []
     for e in entries:
+        mine = tuple(str(item) for item in getattr(e.closure, "untracked", None) or ())
         rows.append(StatsRow(e.kind, ", ".join(e.hook_names), e.shapes(), compact_shapes(e), e.trace_s,
-                             e.compile_s, e.hits, _row_state(e), e.why or "", summarise_inputs(e)))
-        for item in getattr(e.closure, "untracked", None) or ():
+                             e.compile_s, e.hits, _row_state(e), e.why or "", summarise_inputs(e), mine))
+        for item in mine:
             text = str(item)
             if text not in untracked:
                 untracked.append(text)

@@ -299,8 +299,11 @@ def test_deleted_function_drifts(user_module):
 def test_untracked_value_is_listed(user_module):
     m = user_module(
         """
+        import threading
+
         class Opaque:
-            pass
+            def __init__(self):
+                self.lock = threading.Lock()  # no content fingerprint: the object has none either
 
         CONFIG = Opaque()
 
@@ -311,8 +314,10 @@ def test_untracked_value_is_listed(user_module):
     closure = lower(m.top, X)
     assert closure.untracked == (f"{m.__name__}.CONFIG",)
     assert ValueDep(m.__name__, "CONFIG", None) in closure.values
-    m.CONFIG = m.Opaque()  # invisible by construction: that is what "untracked" says
+    m.CONFIG.lock = None  # a mutation inside it is invisible by construction: that is what "untracked" says
     assert closure.drift({}) == []
+    m.CONFIG = m.Opaque()  # but it is held to its identity: rebinding it is drift
+    assert closure.drift({}) == [f"{m.__name__}.CONFIG"]
     del m.CONFIG
     assert closure.drift({}) == [f"{m.__name__}.CONFIG"]
 
@@ -754,7 +759,7 @@ def test_cache_reset_leaves_no_memo_holding_user_objects(user_module):
 
     m = user_module(MEMO_HOLDERS)
     closure = lower(m.top, X)
-    assert mine(closure.names(), m) == ["Scale", "Scale.apply", "TABLE", "helper", "jnp", "top"]
+    assert mine(closure.names(), m) == ["Scale", "Scale.apply", "Scale.factor", "TABLE", "helper", "jnp", "top"]
     user = [m.helper, m.Scale, m.TABLE, m.helper.__code__, m.Scale.apply.__code__]
     assert id(m.helper.__code__) in _held_by_memos(vars(m))  # the walk does see what a memo holds
     nitro_ipy.cache_reset()

@@ -211,12 +211,16 @@ def test_nitro_stats_after_an_edit_shows_poisoned_and_why(trained, capsys):
 def test_nitro_stats_lists_untracked_values(loaded, capsys):
     code = EXPERIMENT.replace(
         "def helper(r):\n    return r ** 2\n",
-        "class Knob:\n    pass\nknob = Knob()\nknob.power = 2\ndef helper(r):\n    return r ** knob.power\n",
+        "import threading\nclass Knob:\n    pass\nknob = Knob()\nknob.power = 2\nknob.lock = threading.Lock()\n"
+        "def helper(r):\n    return r ** knob.power\n",
     )
     _run(loaded, code)
     _run(loaded, "n.train()")
     table = loaded.run_line_magic("nitro_stats", "")
     assert table.untracked == ["__main__.knob"]
+    # Per program: the gradient and evaluation programs call `helper`; the optimizer does not.
+    assert [(r.kind, r.untracked) for r in table.rows] == [
+        ("grad", ("__main__.knob",)), ("opt", ()), ("eval", ("__main__.knob",))]
     assert repr(table).splitlines()[-1] == (
         "not tracked (an edit to these is invisible; `nitro_ipy.cache_reset()` is the escape hatch): "
         "__main__.knob"

@@ -474,3 +474,20 @@ def test_fingerprints_are_stable_across_processes(tmp_path, monkeypatch):
     for seed in ("1", "2"):
         there = json_in_child(code, tmp_path, seed)
         assert there == here, {k for k in here if here[k] != there.get(k)}
+
+
+def test_a_library_model_definition_is_keyed_by_its_package_version(monkeypatch):
+    """A Flax Linen or Equinox module in a GraphConst field is judged by its class's qualified name and
+    its package's version: a program stored on disk never outlives an upgrade."""
+    import equinox as eqx
+    import flax.linen as nn
+
+    from nitro_ipy import _fingerprint
+
+    for value, package in ((nn.Dense(3), "flax"), (eqx.nn.Lambda(abs), "equinox")):
+        before = _fingerprint.fingerprint(value)
+        assert _fingerprint._library_version(type(value).__module__) != ""
+        monkeypatch.setitem(_fingerprint._versions, package, "999.0")
+        assert _fingerprint.fingerprint(value) != before
+        monkeypatch.delitem(_fingerprint._versions, package)
+        assert _fingerprint.fingerprint(value) == before

@@ -42,9 +42,53 @@ def test_kernel_cells_are_user_code():
     assert _origin.is_cell_file(name)
 
 
-@pytest.mark.parametrize("name", ["<string>", "<stdin>", "<timed exec>", "<frozen importlib._bootstrap>", "", None])
-def test_other_pseudo_files_are_library_code(name):
+# Every front end's cells and every way of typing code: user code (the positive rule names the library).
+USER_PSEUDO_FILES = [
+    "<ipython-input-3-0123456789ab>",  # terminal IPython
+    "<timed exec>",  # %%time
+    "<magic-timeit>",  # %%timeit
+    "<stdin>",  # the plain REPL
+    "<string>",  # exec of a string, python -c
+    "<console>",  # code.interact
+    "<cell line: 1>",  # another front end's cell name
+]
+
+
+@pytest.mark.parametrize("name", USER_PSEUDO_FILES)
+def test_every_kind_of_cell_and_typed_code_is_user_code(name):
+    assert _origin.is_user_file(name)
+
+
+@pytest.mark.parametrize("name", [
+    "<frozen importlib._bootstrap>", "<attrs generated init mod.C>", "<decorator-gen-12>", "", None,
+])
+def test_frozen_modules_and_code_generators_are_library_code(name):
     assert not _origin.is_user_file(name)
+
+
+@pytest.mark.parametrize("path", [
+    "/tmp/ipykernel_4242/3405691582.py",  # a kernel's cell
+    "/home/me/project/train.py",  # a `%run` script, a module file
+    "vscode-notebook-cell:/home/me/nb.ipynb#W1sZmlsZQ%3D%3D",  # VS Code's cell names
+    os.path.join(os.path.dirname(sys.prefix), "elsewhere", "model.py"),
+])
+def test_files_outside_the_library_directories_are_user_code(path):
+    assert _origin.is_user_file(path)
+
+
+def test_code_a_library_generates_with_exec_is_its_library_s():
+    import collections
+    import dataclasses
+
+    ns = {}
+    exec("import dataclasses\n@dataclasses.dataclass\nclass P:\n    x: int = 1\ndef mine(z):\n    return z\n", ns)
+    P = ns["P"]
+    assert not _origin.is_user_function(P.__init__)  # dataclasses' exec, judged by dataclasses
+    assert not _origin.is_user_function(P.__eq__)
+    assert _origin.is_user_function(ns["mine"])  # the user's own exec string
+    N = collections.namedtuple("N", "a b")
+    assert not _origin.is_user_function(N.__new__)
+    assert dataclasses.is_dataclass(P)
 
 
 def test_installed_packages_and_the_standard_library_are_library_code():

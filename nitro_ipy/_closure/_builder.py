@@ -21,9 +21,9 @@ from ._records import (
     namespace_key,
     value_key,
 )
-from ._resolve import cells_of, live_namespace, lookup, resolve_function, underlying
+from ._resolve import cells_of, live_namespace, lookup, resolve_function, static_attr, underlying
 from ._scan import AttrTarget, Check, FunctionTarget, ValueTarget, check_class_attr, check_function, check_value
-from ._snapshot import snapshot
+from ._snapshot import identity, snapshot
 from ._values import attr_fingerprint, value_fingerprint
 
 
@@ -36,6 +36,7 @@ class Builder:
         self.cells: dict[tuple, CellDep] = {}  # (module, qualname, var) -> CellDep
         self.digests: dict[str, str | None] = {}
         self.executed: set[tuple[str, str]] = set()  # (module, qualname) the trace ran
+        self.superseded: set[str] = set()  # functions run whose name resolves to other code now
 
     def function(self, code: types.CodeType, ns: dict, cells) -> None:
         """Add a user function (by code), the globals it reads and, recursively, what those hold."""
@@ -53,7 +54,15 @@ class Builder:
         dep = FuncDep(module, qualname, fp, filename, digest)
         # Resolvable by name now, to this very code? Otherwise it is anonymous (see README.md).
         live = resolve_function(live_namespace(module, ns, {}), qualname)
-        self.functions[id(code)] = (dep, ns, live is None or fp not in live)
+        anonymous = live is None or fp not in live
+        if anonymous and live is not None and (module, qualname) in self.executed and self._method(ns, qualname):
+            # The trace ran a method its name no longer means (of a class redefined since the instance
+            # was made): the program is stale at birth, never served as live. Checked by name all the
+            # same, so that reverting the edit revives it. (A plain function run under another name, say
+            # through a decorator without `functools.wraps`, is checked through what holds it.)
+            self.superseded.add(dep.qualified)
+            anonymous = False
+        self.functions[id(code)] = (dep, ns, anonymous)
         self.codes.append(code)
         found = reads(code)
         for name in found.names:
@@ -61,11 +70,23 @@ class Builder:
             if value is not MISSING:
                 self.value(ns, name, value)
         for name, attr in found.attrs:
-            mod = ns.get(name)
-            if isinstance(mod, types.ModuleType) and is_user_module(mod.__name__):
-                value = mod.__dict__.get(attr, MISSING)
+            obj = ns.get(name)
+            if isinstance(obj, types.ModuleType) and is_user_module(obj.__name__):
+                value = obj.__dict__.get(attr, MISSING)
                 if value is not MISSING:
-                    self.value(mod.__dict__, attr, value)
+                    self.value(obj.__dict__, attr, value)
+            elif isinstance(obj, type) and is_user_module(obj.__module__):
+                self.class_read(obj, attr, ns)  # `Consts.SCALE`, `Color.RED`
+        # `self.RATE` in a method the trace ran: a class attribute of the method's (live) class. Not for a
+        # superseded method, whose class is not the live one.
+        if found.self_attrs and (module, qualname) in self.executed and dep.qualified not in self.superseded:
+            owner = lookup(live_namespace(module, ns, {}), qualname.rpartition(".")[0]) if self._method(ns, qualname) else MISSING
+            if isinstance(owner, type) and is_user_module(owner.__module__):
+                for attr in found.self_attrs:
+                    # A method is a dependency of its own once it runs (recorded against the code that
+                    # ran). A dataclass field's default counts: an instance made inside the trace has it.
+                    if not underlying(static_attr(owner, attr)):
+                        self.class_read(owner, attr, ns)
         if cells and (module, qualname.rpartition(".<locals>.")[0]) in self.executed:
             cells = ()  # a closure the trace itself created: its cells hold trace-time values
         for var, value in cells or ():
@@ -85,7 +106,8 @@ class Builder:
         fp = fingerprint_of(value)
         if fp is SKIP:
             return None
-        return fp, (snapshot(value) if fp is not None else None)
+        # A value without a content fingerprint is still held to its identity: rebinding it is drift.
+        return fp, (snapshot(value) if fp is not None else identity(value))
 
     def value(self, ns: dict, name: str, value) -> None:
         key = (id(ns), name)
@@ -95,12 +117,29 @@ class Builder:
             self.values[key] = (ValueDep(ns.get("__name__") or "?", name, fp), ns, snap)
             self.walk(value)
 
-    def class_attr(self, cls: type, name: str, attr) -> None:
+    @staticmethod
+    def _method(ns: dict, qualname: str) -> bool:
+        """Whether `qualname` names a method: `A.f` (or `A.B.f`) where `A` (`A.B`) is a class."""
+        owner, dot, _ = qualname.rpartition(".")
+        return bool(dot) and "<locals>" not in qualname and isinstance(lookup(ns, owner), type)
+
+    def class_read(self, cls: type, name: str, ns: dict) -> None:
+        """A class attribute read through the class or an instance (`Consts.SCALE`, `self.RATE`) by code
+        running in `ns`."""
+        attr = static_attr(cls, name)
+        if attr is not MISSING and not isinstance(attr, types.MemberDescriptorType):
+            self.class_attr(cls, name, attr, ns)
+
+    def class_attr(self, cls: type, name: str, attr, seen_in: dict | None = None) -> None:
         key = (id(cls), name)
         new = self._unrecorded(self.attrs, key, attr_fingerprint, attr)
         if new is not None:
             fp, snap = new
             ns = class_namespace(cls)
+            if seen_in is not None and lookup(ns or {}, cls.__qualname__) is not cls:
+                # A class without methods names no namespace of its own (and `sys.modules["__main__"]`
+                # may not be the shell's): the namespace of the code that read it does.
+                ns = seen_in
             dep = ClassAttrDep(cls.__module__, cls.__qualname__, name, fp)
             anonymous = ns is None or not isinstance(
                 lookup(live_namespace(cls.__module__, ns, {}), cls.__qualname__), type
@@ -159,4 +198,4 @@ class Builder:
                 untracked.add(dep.qualified)
         functions.sort(key=lambda d: (d.module, d.qualname, d.fingerprint))
         values.sort(key=lambda d: (type(d).__name__, d.qualified))
-        return Closure(functions, values, sorted(untracked), sorted(anonymous), checks, files)
+        return Closure(functions, values, sorted(untracked), sorted(anonymous), checks, files, sorted(self.superseded))

@@ -13,6 +13,7 @@ from ._resolve import nested
 class Reads(NamedTuple):
     names: tuple  # global names loaded (LOAD_GLOBAL / LOAD_NAME), nested code included
     attrs: tuple  # (global name, attribute) pairs: `mod.attr` where `mod` is a global
+    self_attrs: tuple  # attributes read from the first argument (`self.attr`), this code only
 
 
 # id(code) -> (code, Reads); the code is held so the id stays its own.
@@ -26,10 +27,15 @@ def reads(code: types.CodeType) -> Reads:
     hit = _reads_memo.get(id(code))
     if hit is not None and hit[0] is code:
         return hit[1]
-    names, attrs = {}, {}
+    names, attrs, self_attrs = {}, {}, {}
+    first = code.co_varnames[0] if code.co_argcount and code.co_varnames else None
     for c in (code, *nested(code)):
         previous = None
+        on_self = False  # the previous instruction loaded `code`'s first argument (`self`)
         for ins in dis.get_instructions(c):
+            if on_self and ins.opname in _ATTR_LOADS:
+                self_attrs[ins.argval] = None
+            on_self = c is code and first is not None and ins.opname == "LOAD_FAST" and ins.argval == first
             if ins.opname in _GLOBAL_LOADS:
                 names[ins.argval] = None
                 previous = ins.argval
@@ -37,6 +43,7 @@ def reads(code: types.CodeType) -> Reads:
             if previous is not None and ins.opname in _ATTR_LOADS:
                 attrs[(previous, ins.argval)] = None
             previous = None
-    found = Reads(tuple(names), tuple(attrs))
+    found = Reads(tuple(names), tuple(attrs), tuple(self_attrs))
     _reads_memo[id(code)] = (code, found)
     return found
+

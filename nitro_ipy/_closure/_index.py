@@ -43,7 +43,7 @@ def _traceback_codes(jaxprs: list) -> dict[int, types.CodeType]:
                 verdict = get_verdict(code.co_filename)
                 if verdict is None:
                     verdict = _origin.is_user_file(code.co_filename)
-                if verdict:
+                if verdict and not (code.co_filename.startswith("<") and _origin.is_generated(code, None)):
                     codes[id(code)] = code
     return codes
 

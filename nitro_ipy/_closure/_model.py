@@ -19,15 +19,19 @@ class Closure:
       invisible (`cache_reset()` is the escape hatch).
     - `anonymous`: names of dependencies that do not resolve by name (a module-level lambda, a class
       defined in a function); they are checked through what holds them.
+    - `superseded`: functions the trace ran whose name meant other code already at record time (a
+      method of a class redefined after the instance was made): the program is stale at birth.
     """
 
-    __slots__ = ("functions", "values", "untracked", "anonymous", "_checks", "_files", "_plan", "_disk_plan")
+    __slots__ = ("functions", "values", "untracked", "anonymous", "superseded", "_checks", "_files", "_plan",
+                 "_disk_plan")
 
-    def __init__(self, functions=(), values=(), untracked=(), anonymous=(), checks=(), files=()):
+    def __init__(self, functions=(), values=(), untracked=(), anonymous=(), checks=(), files=(), superseded=()):
         self.functions: tuple = tuple(functions)
         self.values: tuple = tuple(values)
         self.untracked: tuple = tuple(untracked)
         self.anonymous: tuple = tuple(anonymous)
+        self.superseded: tuple = tuple(superseded)
         self._checks: tuple = tuple(checks)  # `_scan.Check`s
         self._files: tuple = tuple(files)  # `_disk.FileBacked`s
         # `_checks` and `_files` arranged for fast scans (`ScanPlan`, `DiskGroup`s), by the first scan.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+from .. import _origin
 from ._builder import Builder
 from ._index import Frame, traceback_functions
 from ._model import Closure
@@ -41,9 +42,10 @@ class Recorder:
             for frame in traceback_functions(self._jaxprs, roots):
                 self._frames.setdefault(id(frame.code), frame)
         builder = Builder()
-        for code, ns, _cells in self._frames.values():
+        frames = [f for f in self._frames.values() if f is not None]
+        for code, ns, _cells in frames:
             builder.executed.add((ns.get("__name__") or "?", code.co_qualname))
-        for code, ns, cells in self._frames.values():
+        for code, ns, cells in frames:
             builder.function(code, ns, cells)
         for cls, name, attr in self._attrs.values():
             builder.class_attr(cls, name, attr)
@@ -70,6 +72,9 @@ class Recorder:
     def _note(self, frame, code) -> None:
         """A user function started: remember its code, globals and (closures) its cell values."""
         if id(code) in self._frames:
+            return
+        if code.co_filename.startswith("<") and _origin.is_generated(code, frame.f_globals):
+            self._frames[id(code)] = None  # a dataclass's `__init__`: its library's code, not the user's
             return
         cells = None
         if code.co_freevars:

@@ -150,6 +150,11 @@ def snapshot(v) -> tuple | None:
     return tuple(out) if _take(v, 0, out) else None
 
 
+def identity(v) -> tuple:
+    """A snapshot of `v` as a leaf: its identity only (a value with no content fingerprint)."""
+    return (_hold(v),)
+
+
 def _take(v, depth: int, out: list) -> bool:
     t = type(v)
     if t in _ATOMS or t is types.ModuleType or v is MISSING:

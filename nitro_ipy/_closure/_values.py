@@ -35,7 +35,10 @@ def value_fingerprint(v):
     if isinstance(v, types.ModuleType):
         return "module:" + v.__name__
     if isinstance(v, type):
-        return _fp(v) if is_user_module(v.__module__) else _lib_name(v)
+        # A class by its name, not the code of all its methods: the methods the trace ran and the class
+        # attributes it read are dependencies of their own, so editing a method nothing calls is no edit.
+        # Its identity is in the snapshot: a re-run class cell is checked, and found equal, by name.
+        return ("class:" if is_user_module(v.__module__) else "lib:") + f"{v.__module__}.{v.__qualname__}"
     if isinstance(v, types.FunctionType):
         return _fp(v) if is_user_file(v.__code__.co_filename) else _lib_name(v)
     if isinstance(v, types.BuiltinFunctionType):
@@ -47,7 +50,27 @@ def value_fingerprint(v):
         return None if None in parts else fingerprint(parts)
     if is_library_callable(v):
         return _lib_name(v)  # jax.nn.relu (a jit wrapper), jnp ufuncs, optax functions
-    return _fp(v)
+    fp = _fp(v)
+    if fp is None:
+        return object_fingerprint(v)
+    return fp
+
+
+def object_fingerprint(v):
+    """An instance of a user class that has no content fingerprint of its own, by its attributes.
+
+    The code of its methods is not in it: the methods the trace ran are dependencies of their own (and
+    their class attributes, `Builder.self_reads`), so an edit to a method nothing calls is no edit.
+    None when it has no `__dict__` or an attribute has no fingerprint (then it is untracked).
+    """
+    t = type(v)
+    if not is_user_module(t.__module__) or isinstance(v, type):
+        return None
+    attrs = getattr(v, "__dict__", None)
+    if type(attrs) is not dict:
+        return None
+    fp = _fp(attrs)
+    return None if fp is None or fp is SKIP else fingerprint(("object", f"{t.__module__}.{t.__qualname__}", fp))
 
 
 def is_library_callable(v) -> bool:
