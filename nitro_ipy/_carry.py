@@ -143,7 +143,7 @@ def check_fits(cls, init, experiment, seed: int, params, has_state: bool = False
         shown = lines[:12] + ([f"  ... and {len(lines) - 12} more"] if len(lines) > 12 else [])
         raise NitroValueError(
             f"the training state of this handle does not fit `{cls.__qualname__}` as it is now: its "
-            f"parameters differ from what `init` returns:\n" + "\n".join(shown) + "\nStart a fresh run "
+            "parameters differ from what `init` returns:\n" + "\n".join(shown) + "\nStart a fresh run "
             f"with `Nitro(e, ...)`, or change `init` back so the parameters fit."
         )
 

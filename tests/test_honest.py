@@ -13,7 +13,10 @@ import pytest
 
 import nitro_ipy
 from nitro_ipy import _cache
-from tests.test_staleness import STALE_LINE, ip, run  # noqa: F401 (`ip` is a fixture)
+from tests import test_staleness
+
+STALE_LINE, run = test_staleness.STALE_LINE, test_staleness.run
+ip = test_staleness.ip  # the staleness tests' shell fixture (assigned, so it is one fixture, not an import)
 
 BASE = """
 import dataclasses, enum, functools, importlib, threading, types
