@@ -144,7 +144,7 @@ def check_fits(cls, init, experiment, seed: int, params, has_state: bool = False
         raise NitroValueError(
             f"the training state of this handle does not fit `{cls.__qualname__}` as it is now: its "
             "parameters differ from what `init` returns:\n" + "\n".join(shown) + "\nStart a fresh run "
-            f"with `Nitro(e, ...)`, or change `init` back so the parameters fit."
+            "with `Nitro(e, ...)`, or change `init` back so the parameters fit."
         )
 
 
