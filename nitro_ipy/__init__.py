@@ -3,6 +3,8 @@
 `import nitro_ipy` never imports IPython or ipywidgets; `%load_ext nitro_ipy` wires the notebook side.
 """
 
+from ._ahead import bump_world as bump_world
+from ._ahead import set_compile_ahead as set_compile_ahead
 from ._cache import CacheStats as CacheStats
 from ._cache import cache_reset as cache_reset
 from ._cache import cache_stats as cache_stats
@@ -30,7 +32,6 @@ from ._handle import predict as predict
 from ._handle import train as train
 from ._handle import validate as validate
 from ._hooks import metrics as metrics
-from ._world import bump_world as bump_world
 from ._world import world as world
 
 __version__ = "0.1.0"
@@ -62,6 +63,7 @@ __all__ = [
     "host_fields",
     "metrics",
     "predict",
+    "set_compile_ahead",
     "train",
     "validate",
     "world",

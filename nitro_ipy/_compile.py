@@ -85,6 +85,38 @@ def compile_program(
     return entry
 
 
+def compile_ahead(key, fn, args, *, donate_argnums: tuple = (), info: dict | None = None,
+                  record: Callable | None = None, compiler_options: dict | None = None,
+                  sources: dict | None = None) -> tuple:
+    """`compile_program` for a background thread (`_ahead`): the same claim, build and store, but it
+    says nothing and raises nothing. A program whose dependencies drifted while it compiled is dropped,
+    not served; a compile that raised leaves the key unclaimed, so the handle that needs the program
+    compiles it itself and the error surfaces there, with the user's traceback, as without compiling ahead.
+
+    **Returns:** `(status, entry, detail)`: `("compiled", entry, messages)` (the messages to say later,
+    from the main thread), `("had", entry, None)` when the key was live already (counted as a hit, as a
+    rebuilt handle's lookup would), `("drifted", None, names)`, or `("failed", None, error)`.
+    """
+    entry, claimed = _cache.claim(key)
+    if claimed is None:
+        return "had", entry, None
+    try:
+        entry = _build(key, fn, args, donate_argnums, info, record, compiler_options, sources)
+    except Exception as err:  # noqa: BLE001 - surfaces at the rebuild that compiles it in the foreground
+        _cache.release(claimed, None)
+        return "failed", None, err
+    except BaseException:
+        _cache.release(claimed, None)
+        raise
+    drifted = _cache.store_if_current(entry, claimed)
+    if drifted:
+        return "drifted", None, drifted
+    messages = [_report.message(Kind.COMPILE, entry=entry, ahead=True)]
+    messages += [_report.message(Kind.LARGE_CONSTANT, program=entry.kind, nbytes=nbytes, shape=shape,
+                                 dtype=dtype, origin=origin) for nbytes, shape, dtype, origin in entry.constants]
+    return "compiled", entry, messages
+
+
 def _build(key, fn, args, donate_argnums, info, record, compiler_options, sources):
     """Trace (recording), lower and XLA-compile: the `Entry`, not yet stored."""
     why = explain_miss(key, info or {}, _cache.explanation_candidates())

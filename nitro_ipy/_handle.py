@@ -12,7 +12,7 @@ runs), `_enter()`, and `_view`, `_forward`, `_loss`, `_optimizer`, which forward
 import jax
 import numpy as np
 
-from . import _cache, _closure, _compile, _loop, _report
+from . import _ahead, _cache, _closure, _compile, _loop, _report
 from ._binding import bind
 from ._data import check_splits, eval_batches, split_len, steps_per_epoch
 from ._errors import NitroTypeError, NitroValueError
@@ -104,6 +104,7 @@ class Nitro:
         self._kinds_seen: dict = {}  # kind -> key of the first program of that kind
         self._loops_reported: set = set()
         self.history: list[dict] = []
+        _ahead.track(self)  # weakly: an edit that poisons its programs compiles their replacements ahead
 
     # ---------------------------------------------------------------- state
     @property
@@ -166,6 +167,7 @@ class Nitro:
                 _report.emit(Kind.RECOMPILE_LOOP, program=key.kind, why=entry.why or "the key moved")
         self._kinds_seen.setdefault(key.kind, key)
         self._programs[key] = entry
+        _ahead.resolved(self, spec, key, args, hook, fields)
         return entry
 
     def _grad_entry(self, batch):
@@ -198,6 +200,7 @@ class Nitro:
                 f"(batch_size={self.batch_size} x accum={self.accum}); lower `batch_size`."
             )
         fields = sorted(set(b.routes["forward"].pick(split)) | set(b.routes["loss"].pick(split)))
+        _ahead.prefetch_eval(self)  # validation's program compiles while the first epoch trains
         rows = []
         for _ in range(self.max_epochs if epochs is None else epochs):
             row = {"epoch": self.epoch + 1, "loss": _loop.train_epoch(self, split, fields, steps)}
