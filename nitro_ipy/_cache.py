@@ -199,8 +199,10 @@ def generation() -> int:
 
 # ---------------------------------------------------------------- events, for front ends
 # "compile" (entry): a program was stored; "reset" (): `cache_reset()` ran; "progress" (): a training
-# handle reached one of its periodic sync points (about every 0.25 s, never per step).
-EVENTS = ("compile", "reset", "progress")
+# handle reached one of its periodic sync points (about every 0.25 s, never per step); "run" (run): a
+# background run (`_runs.Run`) started or ended (`run.done` tells which), published from the thread
+# that started or ran it, so a subscriber only sets flags.
+EVENTS = ("compile", "reset", "progress", "run")
 _subscribers: dict[str, list[Callable]] = {event: [] for event in EVENTS}
 
 

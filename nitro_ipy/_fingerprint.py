@@ -35,12 +35,11 @@ def _qualname(obj) -> str:
 
 
 class _Hasher:
-    __slots__ = ("h", "active", "strict", "callables")
+    __slots__ = ("h", "active", "callables")
 
-    def __init__(self, strict: bool):
+    def __init__(self):
         self.h = hashlib.blake2b(digest_size=16)
         self.active: set[int] = set()  # ids on the current path: recursion through closures/containers
-        self.strict = strict
         # Callable wrappers met on the way (partials, jit wrappers): content-fingerprinted here, but
         # `copy.deepcopy` would break or re-identify them, so the hashability check keeps them as they are.
         self.callables: list = []
@@ -200,7 +199,7 @@ class _Hasher:
             raise Unfingerprintable(path, f"{t.__qualname__} {how}")
 
     def sub(self, v, path) -> str:
-        h = _Hasher(self.strict)
+        h = _Hasher()
         h.active = self.active
         h.callables = self.callables
         h.value(v, path)
@@ -298,7 +297,7 @@ def code_fingerprint(code: types.CodeType) -> str:
 
 def _const_fingerprint(const) -> str:
     # Constants are immutable literals; frozensets and tuples may nest code objects in theory only.
-    hasher = _Hasher(strict=True)
+    hasher = _Hasher()
     hasher.value(const, "<const>")
     return hasher.h.hexdigest()
 
@@ -313,19 +312,9 @@ def fingerprint(value, path: str = "value") -> str:
 
 def fingerprint_with_callables(value, path: str = "value") -> tuple[str, list]:
     """`fingerprint(value)` and the callable wrappers (partials, jit wrappers) met inside it."""
-    hasher = _Hasher(strict=True)
+    hasher = _Hasher()
     hasher.value(value, path)
     return hasher.h.hexdigest(), hasher.callables
-
-
-def try_fingerprint(value) -> str | None:
-    """`fingerprint(value)`, or `None` where the value has no content fingerprint (it is then untracked)."""
-    try:
-        return fingerprint(value)
-    except Unfingerprintable:
-        return None
-    except Exception:  # a user's object whose attributes raise while we look: untracked, not a crash
-        return None
 
 
 def function_fingerprint(fn) -> str:
