@@ -1,5 +1,6 @@
-"""Compile ahead: after an edit poisons programs a live handle runs, their replacements compile in the
-background, under the keys a rebuilt handle will ask for, so `n.rebuild()` finds them ready.
+"""Compile ahead: after an edit poisons programs a live handle runs (or re-runs the cell defining its
+class), their replacements compile in the background, under the keys a rebuilt handle will ask for, so
+`n.rebuild()` finds them ready.
 
 - Live handles are tracked weakly (`track`), each with the recipe of every program it resolved
   (`resolved`): its spec, hook, batch fields and the shapes of its arguments. That is all a replacement
@@ -30,6 +31,7 @@ import numpy as np
 
 from . import _cache, _closure, _compile, _memo, _report, _world
 from ._binding import bind
+from ._hooks import live_class
 from ._programs import EVAL, SPECS, program_key
 
 ENV = "NITRO_IPY_AHEAD"
@@ -167,18 +169,20 @@ def bump_world(ahead: bool = False) -> int:
 
 
 def plan() -> list[Job]:
-    """The replacements a rebuild of each live, stale handle will ask for and the cache lacks."""
+    """The programs a rebuild of each live, stale handle will ask for (the keys of every program it ran,
+    recomposed against the live code) that the cache lacks."""
     jobs, seen = [], set()
     for handle, recipes in list(_recipes.items()):
-        stale = [k for k, e in handle._programs.items() if e.poisoned and k in recipes]
-        if not stale:
+        # Stale: a program it runs was poisoned (a helper, a global moved), or its class cell was re-run
+        # (the rebuild binds the new class, whose hooks key new programs; the old ones stay valid).
+        poisoned = any(e.poisoned for e in handle._programs.values())
+        if not recipes or not (poisoned or live_class(handle._binding.cls) is not handle._binding.cls):
             continue
         try:  # exactly what `rebuild()` binds; an error here is the rebuild's to raise, in the foreground
             b = bind(handle.experiment, handle._binding.splits, handle._options["schedules"])
         except Exception:  # noqa: BLE001
             continue
-        for old in stale:
-            r = recipes[old]
+        for r in list(recipes.values()):
             key = program_key(r.spec, b, r.args, handle._settings, r.hook)
             if key in seen or key in _failed or _cache.known(key):
                 continue

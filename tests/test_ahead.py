@@ -24,11 +24,18 @@ def _run(ip, code):
     return result
 
 
+@pytest.fixture(autouse=True)
+def _ahead_on():
+    """The suite runs with compile ahead off (conftest.py); these tests are about it being on."""
+    previous = _ahead.set_compile_ahead(True)
+    yield
+    _ahead.set_compile_ahead(previous)
+
+
 @pytest.fixture
 def ip(capsys):
     shell = InteractiveShell.instance()
     shell.reset(new_session=False)
-    previous = _ahead.set_compile_ahead(True)
     shell.run_line_magic("load_ext", "nitro_ipy")
     _run(shell, EXPERIMENT)
     _run(shell, "n.train()")
@@ -39,7 +46,6 @@ def ip(capsys):
     shell.run_line_magic("unload_ext", "nitro_ipy")
     _extension.unload(shell)
     shell.reset(new_session=False)
-    _ahead.set_compile_ahead(previous)
 
 
 def _outcomes():
@@ -53,7 +59,6 @@ def _stats():
 
 def test_a_fresh_training_run_compiles_each_program_once_with_eval_ahead():
     nitro_ipy.cache_reset()
-    _ahead.set_compile_ahead(True)
     ns = {}
     exec(compile(TINY_EXPERIMENT, "<ipython-input-1-ahead>", "exec"), ns)
     n = ns["Nitro"](ns["Tiny"](), data=ns["data"], batch_size=16, progress=False)
@@ -86,7 +91,7 @@ def test_ahead_and_on_demand_train_the_same_numbers(ip, capsys):
     assert _ahead.wait(60)
     _run(ip, "n = n.rebuild(); rows = n.train()")
     ahead = ip.user_ns["rows"]
-    _run(ip, "%nitro_ahead off")
+    _run(ip, "%nitro_ahead off")  # the same edit with everything compiled on demand
     _run(ip, EXPERIMENT)
     _run(ip, "n.train()")
     _run(ip, "def helper(r):\n    return r ** 2\n")  # back to the first helper, then the same edit again
@@ -178,7 +183,6 @@ def test_nitro_ahead_refuses_a_bad_word(ip):
 
 
 def test_bump_world_ahead_in_a_script(capsys):
-    _ahead.set_compile_ahead(True)
     mod = types.ModuleType("_ahead_script")
     sys.modules[mod.__name__] = mod
     try:
