@@ -130,7 +130,7 @@ def cycle(sh: Shell, k: int, pause: float) -> dict:
     probe = FirstStep(sh.ns)
     t0 = time.perf_counter()
     try:
-        t_rebuild = sh.run("n = n.rebuild(); n.train()")
+        t_rebuild = sh.run("n = n.rebuild(); n.train();")
     finally:
         _loop.train_batches = probe.source
     nitro_first = probe.t - t0

@@ -12,7 +12,7 @@ class), their replacements compile in the background, under the keys a rebuilt h
   second copy). A program whose code drifted while it compiled is dropped, not served; a new edit
   replaces the queue, so what it made stale is never started.
 - The worker says nothing: its compile lines are held and said by the handle that resolves the program
-  (where its compile line would have been), from the main thread. A compile that raised leaves the key
+  (where its compile line would have been), in that handle's thread. A compile that raised leaves the key
   unclaimed, so the rebuild compiles it in the foreground and raises there, with the user's traceback.
 - `prefetch_eval`: a training handle's evaluation forward compiles while its first epoch runs (from its
   first step on, which `_pipeline` reports through `stepping`).
@@ -136,8 +136,9 @@ def resolved(handle, spec, key, args: tuple, hook: str | None, fields: dict) -> 
 
 
 def say(key=None) -> None:
-    """Say the held compile lines of `key` (every key: None), from the main thread only."""
-    if threading.current_thread() is not threading.main_thread():
+    """Say the held compile lines of `key` (every key: None) in the calling thread: the cell's, or a
+    background run's, whose own sink keeps them (`_report`). Never from the worker."""
+    if threading.current_thread() is _worker:
         return
     with _cv:
         keys = list(_held) if key is None else [key] if key in _held else []
