@@ -12,7 +12,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from . import _cache, _report
+from . import _cache, _report, _store
 from ._compat import (
     FUSION_EMITTERS_OPTION,
     OPTIMIZATION_LEVEL_OPTION,
@@ -72,12 +72,13 @@ def compile_program(
     if claimed is None:
         return entry
     try:
-        entry = _build(key, fn, args, donate_argnums, info, record, compiler_options, sources)
+        entry = _load_or_build(key, fn, args, donate_argnums, info, record, compiler_options, sources)
     except BaseException as err:
         _cache.release(claimed, err)
         raise
     # A trace that raised (a bug in a hook) stored nothing, so it counts nothing: misses == entries holds.
     _cache.store(entry, claimed)
+    _save(entry)
     _report.emit(Kind.COMPILE, entry=entry)
     for nbytes, shape, dtype, origin in entry.constants:
         _report.emit(Kind.LARGE_CONSTANT, program=entry.kind, nbytes=nbytes, shape=shape, dtype=dtype,
@@ -101,7 +102,7 @@ def compile_ahead(key, fn, args, *, donate_argnums: tuple = (), info: dict | Non
     if claimed is None:
         return "had", entry, None
     try:
-        entry = _build(key, fn, args, donate_argnums, info, record, compiler_options, sources)
+        entry = _load_or_build(key, fn, args, donate_argnums, info, record, compiler_options, sources)
     except Exception as err:  # noqa: BLE001 - surfaces at the rebuild that compiles it in the foreground
         _cache.release(claimed, None)
         return "failed", None, err
@@ -111,15 +112,30 @@ def compile_ahead(key, fn, args, *, donate_argnums: tuple = (), info: dict | Non
     drifted = _cache.store_if_current(entry, claimed)
     if drifted:
         return "drifted", None, drifted
+    _save(entry)
     messages = [_report.message(Kind.COMPILE, entry=entry, ahead=True)]
     messages += [_report.message(Kind.LARGE_CONSTANT, program=entry.kind, nbytes=nbytes, shape=shape,
                                  dtype=dtype, origin=origin) for nbytes, shape, dtype, origin in entry.constants]
     return "compiled", entry, messages
 
 
-def _build(key, fn, args, donate_argnums, info, record, compiler_options, sources):
-    """Trace (recording), lower and XLA-compile: the `Entry`, not yet stored."""
+def _load_or_build(key, fn, args, donate_argnums, info, record, compiler_options, sources):
+    """A program stored by an earlier process, valid here and against the live code, is loaded
+    instead of traced (`_store.py`); it still counts as a miss that creates an entry. Else `_build`."""
     why = explain_miss(key, info or {}, _cache.explanation_candidates())
+    entry = _store.load(key, info, why) if record is not None else None
+    if entry is None:
+        entry = _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, why)
+    return entry
+
+
+def _save(entry) -> None:
+    if entry.origin != "disk" and not entry.unstorable:
+        _store.save(entry)
+
+
+def _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, why=None):
+    """Trace (recording), lower and XLA-compile: the `Entry`, not yet stored."""
     jitted = jax.jit(fn, donate_argnums=donate_argnums)
     t0 = time.perf_counter()
     if record is not None:
@@ -131,13 +147,18 @@ def _build(key, fn, args, donate_argnums, info, record, compiler_options, source
     else:
         traced, closure = jitted.trace(*args), None
     lowered = traced.lower()
+    # A program the store cannot hold still skips XLA after a restart, through JAX's own cache.
+    on = record is not None and _store.cache_dir() is not None
+    unstorable = _store.unstorable_reason(traced.jaxpr, closure) if on else None
+    if unstorable is not None:
+        _store.fallback(key, unstorable)
     t1 = time.perf_counter()
     compiled, used = xla_compile(lowered, program_options(traced.jaxpr, compiler_options))
     t2 = time.perf_counter()
     return _cache.Entry(
         key, compiled, t1 - t0, t2 - t1, closure, info or {}, why, compiler_options=used,
         operations=sum(1 for _ in jaxpr_eqns([traced.jaxpr])),
-        constants=large_constants(traced.jaxpr, closure, sources),
+        constants=large_constants(traced.jaxpr, closure, sources), unstorable=unstorable,
     )
 
 

@@ -5,6 +5,10 @@ import warnings
 # kernels and subprocesses tests start): it is what turning compile ahead off must restore. Compile
 # ahead itself, on by default for users, is tested in test_ahead.py, which turns it on.
 os.environ["NITRO_IPY_AHEAD"] = "0"
+# The program store is off in tests (and in the kernels and child processes they start, which inherit
+# this): no test writes to the real per-user cache, and no test loads what another one compiled. The
+# store's own tests turn it on in a temporary directory (`tests/test_store.py`).
+os.environ["NITRO_IPY_CACHE_DIR"] = ""
 
 import pytest
 
