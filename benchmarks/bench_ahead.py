@@ -184,6 +184,7 @@ def foreground(sh: Shell, rounds: int) -> dict:
 
 def main(argv=None) -> int:
     H.parse_args(__doc__, argv)
+    nitro_ipy.set_cache_dir(None)  # the compile seconds, not a load from an earlier run's program store
     rounds = 1 if H.quick() else 3
     sh = Shell()
     setup(sh)

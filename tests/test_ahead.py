@@ -66,7 +66,10 @@ def test_a_fresh_training_run_compiles_each_program_once_with_eval_ahead():
     assert _stats() == (3, 3)  # grad, opt, and eval (compiled while the epoch trained), nothing more
     n.train()
     assert _stats() == (3, 3)
-    assert _outcomes() == [("eval", "compiled")]
+    # Whichever claimed the eval key first compiled it (the worker, or validation after 3 quick steps);
+    # the other waited or found it: one miss, one hit, either way.
+    assert _outcomes() in ([("eval", "compiled")], [("eval", "had")])
+    assert [e.hits for e in nitro_ipy._cache.live_entries() if e.kind == "eval"] == [1 + 1]  # + 2nd train
 
 
 def test_the_rebuilt_handle_is_served_what_compiled_ahead(ip, capsys):
