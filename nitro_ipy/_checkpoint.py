@@ -44,24 +44,13 @@ def handle_state(n) -> dict:
 
     `opt_state` is the optimizer state; `model_state` is the model's own state (batch statistics), None
     when the model has none."""
-    opt_state = getattr(n, "_opt_state", None)
-    if opt_state is None:
-        opt_state = n._state  # until model state lands, `_state` is the optimizer state
-        model_state = getattr(n, "_model_state", None)
-    else:
-        model_state = n._state
-    return {"params": n._params, "model_state": model_state, "opt_state": opt_state}
+    return {"params": n._params, "model_state": n._model_state, "opt_state": n._opt_state}
 
 
 def set_handle_state(n, state: dict) -> None:
     """Put `state` (as `handle_state` names it) back on handle `n`."""
     n._params = state["params"]
-    if hasattr(n, "_opt_state"):
-        n._opt_state, n._state = state["opt_state"], state["model_state"]
-    else:
-        n._state = state["opt_state"]
-        if state["model_state"] is not None:
-            n._model_state = state["model_state"]
+    n._opt_state, n._model_state = state["opt_state"], state["model_state"]
 
 
 # ---------------------------------------------------------------- the manifest

@@ -140,6 +140,8 @@ class NitroMagics(Magics):
         try:
             _ahead.after_edit()  # the replacements of what this cell's edit poisoned start compiling
             self.refresh_watch()
+            if self.sink is not None:
+                self.sink.retire()
             if self.panel is not None:
                 self.panel.flush()
         except Exception as err:  # noqa: BLE001
