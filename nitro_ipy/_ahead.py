@@ -188,7 +188,7 @@ def plan() -> list[Job]:
             if key in seen or key in _failed or _cache.known(key):
                 continue
             seen.add(key)
-            fn = r.spec.build(b, handle._layout, handle.accum, r.hook, **r.fields)
+            fn = r.spec.build(b, handle._model, handle.accum, r.hook, **r.fields)
             jobs.append(Job(key, fn, r.args, r.spec, b, 0))
     return sorted(jobs, key=lambda j: _ORDER.get(j.spec.kind, len(_ORDER)))
 
@@ -204,12 +204,12 @@ def prefetch_eval(handle) -> bool:
     targets = b.routes["loss"].pick(split) if b.loss is not None else ()
     width = handle.batch_size  # eval batches are padded to the batch width
     batch = lambda names: {k: jax.ShapeDtypeStruct((width,) + split[k].shape[1:], split[k].dtype) for k in names}
-    args = jax.tree.map(_abstract, (handle._params, handle._dev)) + (
+    args = jax.tree.map(_abstract, (handle._params, handle._model_state, handle._dev)) + (
         batch(inputs), batch(targets), jax.ShapeDtypeStruct((), np.int32))
     key = program_key(EVAL, b, args, handle._settings)
     if key in _failed or _cache.known(key):
         return False
-    fn = EVAL.build(b, handle._layout, handle.accum, None, inputs=inputs, targets=targets)
+    fn = EVAL.build(b, handle._model, handle.accum, None, inputs=inputs, targets=targets)
     with _cv:
         if any(j.key == key for j in _queue):
             return False
