@@ -149,6 +149,10 @@ def compact_shapes(entry) -> str:
 _NAMES = {"params": "parameters", "grads": "gradients", "opt_state": "optimizer state"}
 
 
+# Inputs the handle passes for its own bookkeeping, not the user's: the non-finite guard (`_guard`).
+_BOOKKEEPING = ("guard",)
+
+
 def summarise_inputs(entry) -> str:
     """A program's inputs in words: parameters, gradients and optimizer state as value counts per dtype
     (the flat buffers; with the parameters' layer groups), batch arrays with their shapes; scalars left out.
@@ -162,6 +166,8 @@ def summarise_inputs(entry) -> str:
         groups.setdefault((sig.path or "arg").split("[")[0].split(".")[0], []).append(sig)
     parts = []
     for name, sigs in groups.items():
+        if name in _BOOKKEEPING:
+            continue
         if name in _NAMES:
             per_dtype: dict = {}
             for sig in sigs:
