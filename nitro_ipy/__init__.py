@@ -3,6 +3,8 @@
 `import nitro_ipy` never imports IPython or ipywidgets; `%load_ext nitro_ipy` wires the notebook side.
 """
 
+from ._ahead import bump_world as bump_world
+from ._ahead import set_compile_ahead as set_compile_ahead
 from ._cache import CacheStats as CacheStats
 from ._cache import cache_reset as cache_reset
 from ._cache import cache_stats as cache_stats
@@ -36,7 +38,6 @@ from ._store import set_cache_dir as set_cache_dir
 from ._runs import History as History
 from ._runs import Run as Run
 from ._runs import TrainingInterrupted as TrainingInterrupted
-from ._world import bump_world as bump_world
 from ._world import world as world
 
 __version__ = "0.1.0"
@@ -74,6 +75,7 @@ __all__ = [
     "metrics",
     "predict",
     "set_cache_dir",
+    "set_compile_ahead",
     "train",
     "validate",
     "world",

@@ -320,8 +320,28 @@ def store(entry: Entry, claimed: Claim | None = None) -> None:
     publish("compile", entry)
 
 
-def release(claimed: Claim, error: BaseException) -> None:
-    """End `claimed` without an entry: the compile raised `error` (nothing is counted)."""
+def known(key: Key) -> bool:
+    """True when `key` is live or being compiled (nothing counted): `_ahead` need not compile it."""
+    return key in _state.entries or key in _state.compiling
+
+
+def store_if_current(entry: Entry, claimed: Claim) -> tuple:
+    """Store `entry` (compiled in the background, `_ahead`) unless its dependencies drifted since its
+    trace read them: `()` when stored, else the drifted names (then nothing is stored or counted, and a
+    thread waiting for the key compiles it itself). Checked under the lock the drift scan takes, so an
+    edit is either seen here or by the scan that follows it: never a stale entry served."""
+    with _lock:
+        drifted = entry.closure.drift({}) if entry.closure is not None else ()
+        if drifted:
+            release(claimed, None)
+            return tuple(drifted)
+        store(entry, claimed)
+        return ()
+
+
+def release(claimed: Claim, error: BaseException | None) -> None:
+    """End `claimed` without an entry: the compile raised `error` (nothing is counted). With `error`
+    None, a thread waiting for the key claims it and compiles it itself."""
     with _lock:
         claimed.state.compiling.pop(claimed.key, None)
         claimed.error = error

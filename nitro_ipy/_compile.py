@@ -73,24 +73,66 @@ def compile_program(
     if claimed is None:
         return entry
     try:
-        # A program stored by an earlier process, valid here and against the live code, is loaded
-        # instead of traced (`_store.py`); it still counts as a miss that creates an entry.
-        why = explain_miss(key, info or {}, _cache.explanation_candidates())
-        entry = _store.load(key, info, why) if record is not None else None
-        if entry is None:
-            entry = _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, why)
+        entry = _load_or_build(key, fn, args, donate_argnums, info, record, compiler_options, sources)
     except BaseException as err:
         _cache.release(claimed, err)
         raise
     # A trace that raised (a bug in a hook) stored nothing, so it counts nothing: misses == entries holds.
     _cache.store(entry, claimed)
-    if entry.origin != "disk" and not entry.unstorable:
-        _store.save(entry)
+    _save(entry)
     _report.emit(Kind.COMPILE, entry=entry)
     for nbytes, shape, dtype, origin in entry.constants:
         _report.emit(Kind.LARGE_CONSTANT, program=entry.kind, nbytes=nbytes, shape=shape, dtype=dtype,
                      origin=origin)
     return entry
+
+
+def compile_ahead(key, fn, args, *, donate_argnums: tuple = (), info: dict | None = None,
+                  record: Callable | None = None, compiler_options: dict | None = None,
+                  sources: dict | None = None) -> tuple:
+    """`compile_program` for a background thread (`_ahead`): the same claim, build and store, but it
+    says nothing and raises nothing. A program whose dependencies drifted while it compiled is dropped,
+    not served; a compile that raised leaves the key unclaimed, so the handle that needs the program
+    compiles it itself and the error surfaces there, with the user's traceback, as without compiling ahead.
+
+    **Returns:** `(status, entry, detail)`: `("compiled", entry, messages)` (the messages to say later,
+    from the main thread), `("had", entry, None)` when the key was live already (counted as a hit, as a
+    rebuilt handle's lookup would), `("drifted", None, names)`, or `("failed", None, error)`.
+    """
+    entry, claimed = _cache.claim(key)
+    if claimed is None:
+        return "had", entry, None
+    try:
+        entry = _load_or_build(key, fn, args, donate_argnums, info, record, compiler_options, sources)
+    except Exception as err:  # noqa: BLE001 - surfaces at the rebuild that compiles it in the foreground
+        _cache.release(claimed, None)
+        return "failed", None, err
+    except BaseException:
+        _cache.release(claimed, None)
+        raise
+    drifted = _cache.store_if_current(entry, claimed)
+    if drifted:
+        return "drifted", None, drifted
+    _save(entry)
+    messages = [_report.message(Kind.COMPILE, entry=entry, ahead=True)]
+    messages += [_report.message(Kind.LARGE_CONSTANT, program=entry.kind, nbytes=nbytes, shape=shape,
+                                 dtype=dtype, origin=origin) for nbytes, shape, dtype, origin in entry.constants]
+    return "compiled", entry, messages
+
+
+def _load_or_build(key, fn, args, donate_argnums, info, record, compiler_options, sources):
+    """A program stored by an earlier process, valid here and against the live code, is loaded
+    instead of traced (`_store.py`); it still counts as a miss that creates an entry. Else `_build`."""
+    why = explain_miss(key, info or {}, _cache.explanation_candidates())
+    entry = _store.load(key, info, why) if record is not None else None
+    if entry is None:
+        entry = _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, why)
+    return entry
+
+
+def _save(entry) -> None:
+    if entry.origin != "disk" and not entry.unstorable:
+        _store.save(entry)
 
 
 def _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, why=None):

@@ -14,7 +14,7 @@ binding.
 import jax
 import numpy as np
 
-from . import _cache, _carry, _checkpoint, _closure, _compile, _html, _loop, _progress, _report, _runs, _store
+from . import _ahead, _cache, _carry, _checkpoint, _closure, _compile, _html, _loop, _progress, _report, _runs, _store
 from ._binding import bind
 from ._checks import (check_metric_count, check_metric_result, check_metric_sum_shape, check_not_empty,
                       check_on_nonfinite)
@@ -159,6 +159,7 @@ class Nitro:
         self.history: list[dict] = _runs.History()  # a list of epoch rows, with `.table()`
         self._stop_when = _runs.early_stop(options.get("stop_when"), b.splits)
         self._run = None  # the background run training this handle, if any (`_runs.check_idle`)
+        _ahead.track(self)  # weakly: an edit that poisons its programs compiles their replacements ahead
 
     # ---------------------------------------------------------------- state
     @property
@@ -243,6 +244,7 @@ class Nitro:
                 _report.emit(Kind.RECOMPILE_LOOP, program=key.kind, why=entry.why or "the key moved")
         self._kinds_seen.setdefault(key.kind, key)
         self._programs[key] = entry
+        _ahead.resolved(self, spec, key, args, hook, fields)
         return entry
 
     def _grad_entry(self, batch):
@@ -310,6 +312,7 @@ class Nitro:
         b = self._binding
         rows = control.rows
         stopper = self._stop_when.fresh() if self._stop_when is not None else None
+        _ahead.prefetch_eval(self)  # validation's program compiles while the first epoch trains
         for _ in range(epochs):
             if control.pending:  # a stop asked for between epochs (during validation)
                 raise KeyboardInterrupt

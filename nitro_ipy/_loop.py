@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _cache, _guard
 from ._compat import compiled_in_avals, compiled_out_avals
-from ._data import train_batches
+from ._pipeline import train_batches
 from ._errors import NonFiniteLossError
 
 _SYNC_SECONDS = 0.25  # how often losses are checked, reuse counted and the live panel told

@@ -20,7 +20,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import _cache, _report, _watch, _world
+from . import _ahead, _cache, _report, _watch, _world
 from ._cache import cache_reset
 from ._stats import stats_table
 
@@ -138,6 +138,7 @@ class NitroMagics(Magics):
     @_cell_callback
     def post_run_cell(self, result=None) -> None:
         try:
+            _ahead.after_edit()  # the replacements of what this cell's edit poisoned start compiling
             self.refresh_watch()
             if self.sink is not None:
                 self.sink.retire()
@@ -183,6 +184,19 @@ class NitroMagics(Magics):
         deletes the programs stored on disk (the program store, `nitro_ipy.set_cache_dir`)."""
         args = _parse(self.nitro_reset, line, "nitro_reset", ("--disk",))
         return _reset(disk=args.disk)
+
+    @line_magic
+    def nitro_ahead(self, line=""):
+        """`%nitro_ahead on|off`: compile the replacements of the programs an edit poisons in the
+        background, before the rebuild asks (on by default; `NITRO_IPY_AHEAD=0` starts it off). With no
+        argument, say whether it is on."""
+        word = line.strip().lower()
+        if word not in ("", "on", "off"):
+            raise UsageError(_BAD_OPTION.format(magic="nitro_ahead", problem=f"unexpected `{line.strip()}`",
+                                                valid="on, off"))
+        if word:
+            _ahead.set_compile_ahead(word == "on")
+        print(f"nitro_ipy: compile ahead is {'on' if _ahead.compile_ahead_enabled() else 'off'}.")
 
     @line_magic
     def nitro_panel(self, line=""):

@@ -57,8 +57,10 @@ def _plural(n: int, word: str) -> str:
 SLOW_COMPILE_S = 2.0
 
 
-def _compile_text(entry) -> str:
+def _compile_text(entry, ahead: bool = False) -> str:
     why = f" ({entry.why})" if entry.why else ""
+    if ahead:  # `_ahead`: built in the background once the edit's cell finished, before the rebuild asked
+        why = f"{why}, compiled ahead after your edit" if why else " (compiled ahead after your edit)"
     hooks = ", ".join(entry.hook_names)
     seconds = entry.trace_s + entry.compile_s
     if getattr(entry, "origin", "compiled") == "disk":
@@ -201,7 +203,11 @@ _local = threading.local()
 def emit(kind: Kind, **data) -> Message:
     """Compose the message and send it to the current sink; a failing sink degrades to plain text, never
     raises."""
-    msg = message(kind, **data)
+    return send(message(kind, **data))
+
+
+def send(msg: Message) -> Message:
+    """Send a composed message (one a background thread composed and held, say) to the current sink."""
     target = getattr(_local, "sink", None) or _sink
     try:
         target(msg)

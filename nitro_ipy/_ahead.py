@@ -1,0 +1,303 @@
+"""Compile ahead: after an edit poisons programs a live handle runs (or re-runs the cell defining its
+class), their replacements compile in the background, under the keys a rebuilt handle will ask for, so
+`n.rebuild()` finds them ready.
+
+- Live handles are tracked weakly (`track`), each with the recipe of every program it resolved
+  (`resolved`): its spec, hook, batch fields and the shapes of its arguments. That is all a replacement
+  needs: `after_edit` (the extension's post-cell hook, or `bump_world(ahead=True)` in a script) scans,
+  rebinds each stale handle's experiment through its live class exactly as `rebuild()` would, keys each
+  poisoned program's replacement with `program_key`, and queues the ones no one compiled yet.
+- One worker thread compiles them, one at a time, at a lower CPU priority, through `_compile.compile_ahead`
+  (the cache's single-flight claim: a rebuild that needs a program in flight waits for it, never a
+  second copy). A program whose code drifted while it compiled is dropped, not served; a new edit
+  replaces the queue, so what it made stale is never started.
+- The worker says nothing: its compile lines are held and said by the handle that resolves the program
+  (where its compile line would have been), in that handle's thread. A compile that raised leaves the key
+  unclaimed, so the rebuild compiles it in the foreground and raises there, with the user's traceback.
+- `prefetch_eval`: a training handle's evaluation forward compiles while its first epoch runs (from its
+  first step on, which `_pipeline` reports through `stepping`).
+
+Off with `set_compile_ahead(False)`, `%nitro_ahead off`, or `NITRO_IPY_AHEAD=0` in the environment.
+"""
+
+import collections
+import os
+import threading
+import weakref
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from . import _cache, _closure, _compile, _memo, _report, _world
+from ._binding import bind
+from ._hooks import live_class
+from ._programs import EVAL, SPECS, program_key
+
+ENV = "NITRO_IPY_AHEAD"
+# The worker's niceness (Linux sets it per thread): the foreground (the user's next cell, a training
+# loop) keeps the CPU it needs; a compile ahead uses what is left.
+NICE = 10
+_OFF = ("0", "off", "false", "no")
+_enabled = os.environ.get(ENV, "1").strip().lower() not in _OFF
+# The order replacements compile in: what a rebuilt handle's first step needs first.
+_ORDER = {kind: i for i, kind in enumerate(SPECS)}
+
+
+def set_compile_ahead(enabled: bool) -> bool:
+    """Turn compiling ahead on or off for this process (the default: on, unless `NITRO_IPY_AHEAD=0`).
+    Off, an edit compiles nothing until a rebuilt handle asks, as before. Returns the previous setting."""
+    global _enabled
+    if not isinstance(enabled, bool):
+        raise TypeError(f"`set_compile_ahead` takes True or False; got {enabled!r}.")
+    previous, _enabled = _enabled, enabled
+    if not enabled:
+        cancel()
+    return previous
+
+
+def compile_ahead_enabled() -> bool:
+    return _enabled
+
+
+class Recipe(NamedTuple):
+    """What a handle resolved one program from: enough to key and build its replacement."""
+
+    spec: object
+    hook: str | None
+    fields: dict
+    args: tuple  # the arguments, arrays replaced by `jax.ShapeDtypeStruct`s (nothing held alive)
+
+
+class Job(NamedTuple):
+    key: object
+    fn: object
+    args: tuple
+    spec: object
+    binding: object
+    round: int
+    after: int = -1  # start once more than this many step loops started (a prefetch: its first step)
+
+
+class Outcome(NamedTuple):
+    """What the worker did with one job (`history()`, for tests and `%nitro_ahead`)."""
+
+    kind: str
+    status: str  # "compiled", "had", "drifted", "failed", "cancelled"
+    detail: object
+
+
+_recipes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # handle -> {key: Recipe}
+_cv = threading.Condition()
+_queue: collections.deque = collections.deque()
+_round = 0
+_busy: Job | None = None
+_worker: threading.Thread | None = None
+# key -> messages the worker composed, said by the handle that resolves the key (`cache_reset` clears both)
+_held = _memo.Memo("ahead.held", 256)
+_failed = _memo.Memo("ahead.failed", 256)  # keys whose compile raised: the rebuild compiles (and raises) them
+_history: collections.deque = collections.deque(maxlen=64)
+_loops = 0  # step loops started (`stepping`): a prefetch waits for its handle's first step
+
+
+def stepping(running: bool) -> None:
+    """`_pipeline`: a step loop passed its first step (True), or ended (False)."""
+    global _loops
+    if running:
+        with _cv:
+            _loops += 1
+            _cv.notify_all()
+
+
+def _abstract(x):
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        sharding = getattr(x, "sharding", None)
+        if sharding is not None and len(sharding.device_set) == 1:
+            sharding = None
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=bool(getattr(x, "weak_type", False)),
+                                    sharding=sharding)
+    return x
+
+
+# ---------------------------------------------------------------- the handle's side (main thread)
+def track(handle) -> None:
+    """Follow `handle` (weakly) so an edit that poisons its programs compiles their replacements."""
+    _recipes[handle] = {}
+
+
+def resolved(handle, spec, key, args: tuple, hook: str | None, fields: dict) -> None:
+    """`handle` resolved the program `key` (new to it) from `args`: keep its recipe, and say the compile
+    lines the worker held for it."""
+    recipes = _recipes.get(handle)
+    if recipes is not None and key not in recipes:
+        recipes[key] = Recipe(spec, hook, dict(fields), jax.tree.map(_abstract, args))
+    if _held:
+        say(key)
+
+
+def say(key=None) -> None:
+    """Say the held compile lines of `key` (every key: None) in the calling thread: the cell's, or a
+    background run's, whose own sink keeps them (`_report`). Never from the worker."""
+    if threading.current_thread() is _worker:
+        return
+    with _cv:
+        keys = list(_held) if key is None else [key] if key in _held else []
+        messages = [m for k in keys for m in _held.pop(k)]
+    for msg in messages:
+        _report.send(msg)
+
+
+def after_edit() -> int:
+    """Scan for drift now and queue the replacements of the poisoned programs live handles run.
+    Returns how many were queued. A no-op when off or when no live handle ran a program."""
+    if not _enabled or not any(_recipes.values()):
+        return 0
+    _cache.ensure_fresh()
+    jobs = plan()
+    if not jobs and not _queue:
+        return 0
+    return _submit(jobs)
+
+
+def bump_world(ahead: bool = False) -> int:
+    """Mark that code may have changed (`importlib.reload`, a redefinition in a script); returns the new
+    world. With `ahead=True`, also start compiling the replacements of the programs the change poisoned
+    in live handles, in the background, as the notebook extension does after every cell."""
+    w = _world.bump_world()
+    if ahead:
+        after_edit()
+    return w
+
+
+def plan() -> list[Job]:
+    """The programs a rebuild of each live, stale handle will ask for (the keys of every program it ran,
+    recomposed against the live code) that the cache lacks."""
+    jobs, seen = [], set()
+    for handle, recipes in list(_recipes.items()):
+        # Stale: a program it runs was poisoned (a helper, a global moved), or its class cell was re-run
+        # (the rebuild binds the new class, whose hooks key new programs; the old ones stay valid).
+        poisoned = any(e.poisoned for e in handle._programs.values())
+        if not recipes or not (poisoned or live_class(handle._binding.cls) is not handle._binding.cls):
+            continue
+        try:  # exactly what `rebuild()` binds; an error here is the rebuild's to raise, in the foreground
+            b = bind(handle.experiment, handle._binding.splits, handle._options["schedules"])
+        except Exception:  # noqa: BLE001
+            continue
+        for r in list(recipes.values()):
+            key = program_key(r.spec, b, r.args, handle._settings, r.hook)
+            if key in seen or key in _failed or _cache.known(key):
+                continue
+            seen.add(key)
+            fn = r.spec.build(b, handle._model, handle.accum, r.hook, **r.fields)
+            jobs.append(Job(key, fn, r.args, r.spec, b, 0))
+    return sorted(jobs, key=lambda j: _ORDER.get(j.spec.kind, len(_ORDER)))
+
+
+def prefetch_eval(handle) -> bool:
+    """Queue `handle`'s evaluation forward (when it has a `valid` split) to compile in the background
+    while its first epoch trains; validation then finds it compiled or waits for the one in flight."""
+    b = handle._binding
+    split = b.splits.get("valid")
+    if not _enabled or split is None:
+        return False
+    inputs = b.routes["forward"].pick(split)
+    targets = b.routes["loss"].pick(split) if b.loss is not None else ()
+    width = handle.batch_size  # eval batches are padded to the batch width
+    batch = lambda names: {k: jax.ShapeDtypeStruct((width,) + split[k].shape[1:], split[k].dtype) for k in names}
+    args = jax.tree.map(_abstract, (handle._params, handle._model_state, handle._dev)) + (
+        batch(inputs), batch(targets), jax.ShapeDtypeStruct((), np.int32))
+    key = program_key(EVAL, b, args, handle._settings)
+    if key in _failed or _cache.known(key):
+        return False
+    fn = EVAL.build(b, handle._model, handle.accum, None, inputs=inputs, targets=targets)
+    with _cv:
+        if any(j.key == key for j in _queue):
+            return False
+        _queue.append(Job(key, fn, args, EVAL, b, _round, _loops))
+        _start()
+        _cv.notify_all()
+    return True
+
+
+def _submit(jobs: list[Job]) -> int:
+    global _round
+    with _cv:
+        _round += 1  # a new edit: whatever was queued for the previous one is dropped
+        for job in _queue:
+            _history.append(Outcome(job.key.kind, "cancelled", None))
+        _queue.clear()
+        _queue.extend(j._replace(round=_round) for j in jobs)
+        if jobs:
+            _start()
+        _cv.notify_all()
+    return len(jobs)
+
+
+def cancel() -> None:
+    """Drop every queued compile (the one in flight finishes; its result is checked for drift)."""
+    _submit([])
+
+
+def wait(timeout: float | None = None) -> bool:
+    """Block until the worker is idle (tests, benchmarks); True unless `timeout` ran out first."""
+    with _cv:
+        return _cv.wait_for(lambda: not _queue and _busy is None, timeout)
+
+
+def history() -> list[Outcome]:
+    """What the worker did, oldest first (bounded)."""
+    return list(_history)
+
+
+def reset() -> None:
+    """Forget recipes, held lines and failures (`cache_reset`'s companion, for tests)."""
+    cancel()
+    wait()
+    with _cv:
+        _held.clear()
+        _failed.clear()
+        _history.clear()
+
+
+_memo.register(cancel)  # `cache_reset()` drops the queued jobs (they hold the user's functions)
+
+
+# ---------------------------------------------------------------- the worker
+def _start() -> None:
+    global _worker
+    if _worker is None or not _worker.is_alive():
+        _worker = threading.Thread(target=_work, name="nitro_ipy-ahead", daemon=True)
+        _worker.start()
+
+
+def _work() -> None:
+    global _busy
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+    except (AttributeError, OSError):  # not Linux: the compile runs at the process's priority
+        pass
+    while True:
+        with _cv:
+            _cv.wait_for(lambda: _queue and _loops > _queue[0].after)
+            job = _busy = _queue.popleft()
+        try:
+            if job.round != _round:
+                _history.append(Outcome(job.key.kind, "cancelled", None))
+                continue
+            b = job.binding
+            status, entry, detail = _compile.compile_ahead(
+                job.key, job.fn, job.args, donate_argnums=job.spec.donate,
+                info={"graphconst": b.graphconst.info}, record=_closure.record,
+                compiler_options=job.spec.compiler_options, sources=b.graphconst_sources)
+            with _cv:
+                if status == "compiled":
+                    _held[job.key] = detail
+                elif status == "failed":
+                    _failed[job.key] = True
+                _history.append(Outcome(job.key.kind, status, detail if status != "compiled" else None))
+        except BaseException as err:  # noqa: BLE001 - the worker outlives anything one job does
+            _history.append(Outcome(job.key.kind, "failed", err))
+        finally:
+            with _cv:
+                _busy = None
+                _cv.notify_all()

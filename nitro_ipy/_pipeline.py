@@ -1,0 +1,47 @@
+"""The train input pipeline: the epoch's batches gathered on the host in one pass (one fancy index per
+field for the whole epoch, then each step is a view of it), so no step pays a gather.
+
+On an accelerator each batch is also sent to the device one step ahead (double-buffered, as
+`flax.jax_utils.prefetch_to_device` does): the step that runs never waits for its batch's transfer. On
+the CPU the batch stays numpy: a jitted call converts numpy arguments in its C++ dispatch for less than
+`jax.device_put` of the same dict costs in Python (measured: 570 vs 105 us a step on the tiny MLP).
+
+It also tells `_ahead` when a step loop runs: compiles queued for a training handle wait for its
+first step, and start while the epoch trains.
+"""
+
+import jax
+import numpy as np
+
+from . import _ahead
+from ._data import split_len
+
+
+def train_batches(split: dict, fields, batch_size: int, accum: int, epoch_seed):
+    """The batches of `_data.train_batches` (same order, same shapes), each already on the device."""
+    n = split_len(split)
+    per_step = batch_size * accum
+    steps = n // per_step
+    if steps == 0:
+        return
+    perm = np.random.default_rng(epoch_seed).permutation(n)[: steps * per_step]
+    # One gather per field for the whole epoch (a contiguous copy), then each step is a view of it.
+    shaped = {}
+    for f in fields:
+        a = split[f][perm]
+        lead = (steps, batch_size) if accum == 1 else (steps, accum, batch_size)
+        shaped[f] = a.reshape(lead + a.shape[1:])
+    views = [shaped[f] for f in fields]
+    at = lambda s: dict(zip(fields, [v[s] for v in views]))
+    put = jax.device_put if jax.default_backend() != "cpu" else (lambda batch: batch)
+    ahead = put(at(0))
+    try:
+        for s in range(steps):
+            batch = ahead
+            if s + 1 < steps:  # the next batch's transfer starts before this step is dispatched
+                ahead = put(at(s + 1))
+            if s == 1:
+                _ahead.stepping(True)  # the first step (and its compiles) is done
+            yield batch
+    finally:
+        _ahead.stepping(False)

@@ -1,0 +1,206 @@
+"""Compile ahead (`_ahead`), through a real `InteractiveShell`: an edit's replacements compile in the
+background after the edit's cell, the rebuilt handle is served them, a second edit discards them, an
+error surfaces at the rebuild, and `%nitro_ahead off` restores compiling on demand."""
+
+import sys
+import types
+
+import numpy as np
+import pytest
+from IPython.core.interactiveshell import InteractiveShell
+
+import nitro_ipy
+from _cells import TINY_EXPERIMENT
+from nitro_ipy import _ahead, _cache, _compile, _extension
+
+EXPERIMENT = TINY_EXPERIMENT + "n = Nitro(Tiny(), data=data, batch_size=16, progress=False)\n"
+EDIT = "def helper(r):\n    return abs(r)\n"
+EDIT2 = "def helper(r):\n    return r ** 4\n"
+
+
+def _run(ip, code):
+    result = ip.run_cell(code)
+    result.raise_error()
+    return result
+
+
+@pytest.fixture(autouse=True)
+def _ahead_on():
+    """The suite runs with compile ahead off (conftest.py); these tests are about it being on."""
+    previous = _ahead.set_compile_ahead(True)
+    yield
+    _ahead.set_compile_ahead(previous)
+
+
+@pytest.fixture
+def ip(capsys):
+    shell = InteractiveShell.instance()
+    shell.reset(new_session=False)
+    shell.run_line_magic("load_ext", "nitro_ipy")
+    _run(shell, EXPERIMENT)
+    _run(shell, "n.train()")
+    assert _ahead.wait(60)
+    _ahead.reset()
+    capsys.readouterr()
+    yield shell
+    shell.run_line_magic("unload_ext", "nitro_ipy")
+    _extension.unload(shell)
+    shell.reset(new_session=False)
+
+
+def _outcomes():
+    return [(o.kind, o.status) for o in _ahead.history()]
+
+
+def _stats():
+    s = nitro_ipy.cache_stats()
+    return s.misses, s.entries
+
+
+def test_a_fresh_training_run_compiles_each_program_once_with_eval_ahead():
+    nitro_ipy.cache_reset()
+    ns = {}
+    exec(compile(TINY_EXPERIMENT, "<ipython-input-1-ahead>", "exec"), ns)
+    n = ns["Nitro"](ns["Tiny"](), data=ns["data"], batch_size=16, progress=False)
+    n.train()
+    assert _stats() == (3, 3)  # grad, opt, and eval (compiled while the epoch trained), nothing more
+    n.train()
+    assert _stats() == (3, 3)
+    # Whichever claimed the eval key first compiled it (the worker, or validation after 3 quick steps);
+    # the other waited or found it: one miss, one hit, either way.
+    assert _outcomes() in ([("eval", "compiled")], [("eval", "had")])
+    assert [e.hits for e in nitro_ipy._cache.live_entries() if e.kind == "eval"] == [1 + 1]  # + 2nd train
+
+
+def test_the_rebuilt_handle_is_served_what_compiled_ahead(ip, capsys):
+    _run(ip, EDIT)  # poisons grad and eval (the loss calls `helper`); their replacements start compiling
+    assert _ahead.wait(60)
+    assert _outcomes() == [("grad", "compiled"), ("eval", "compiled")]
+    assert _stats() == (5, 3)  # two misses, made ahead: the new grad and eval; opt stayed live
+    out = capsys.readouterr().out
+    assert "2 cached programs (eval, grad) poisoned" in out  # said at the end of the edit's cell
+    assert "compiled grad" not in out  # held until the rebuild resolves it
+    _run(ip, "n = n.rebuild(); rows = n.train()")
+    out = capsys.readouterr().out
+    assert _stats() == (5, 3)  # no second compile
+    lines = [line for line in out.splitlines() if line.startswith("nitro_ipy: compiled")]
+    assert [line.split()[2] for line in lines] == ["grad", "eval"]
+    assert all("compiled ahead after your edit" in line for line in lines)
+    assert not any(e.poisoned for e in ip.user_ns["n"]._programs.values())
+
+
+def test_ahead_and_on_demand_train_the_same_numbers(ip, capsys):
+    _run(ip, EDIT)
+    assert _ahead.wait(60)
+    _run(ip, "n = n.rebuild(); rows = n.train()")
+    ahead = ip.user_ns["rows"]
+    _run(ip, "%nitro_ahead off")  # the same edit with everything compiled on demand
+    _run(ip, EXPERIMENT)
+    _run(ip, "n.train()")
+    _run(ip, "def helper(r):\n    return r ** 2\n")  # back to the first helper, then the same edit again
+    nitro_ipy.cache_reset()
+    _run(ip, EXPERIMENT)
+    _run(ip, "n.train()")
+    _run(ip, EDIT)
+    _run(ip, "n = n.rebuild(); rows = n.train()")
+    assert ip.user_ns["rows"] == ahead
+
+
+def test_a_second_edit_discards_the_first_ones_programs(ip, capsys):
+    _run(ip, EDIT)
+    assert _ahead.wait(60)
+    _run(ip, EDIT2)  # poisons the two programs compiled ahead for EDIT; compiles EDIT2's instead
+    assert _ahead.wait(60)
+    assert _outcomes() == [("grad", "compiled"), ("eval", "compiled")] * 2
+    assert _stats() == (7, 3)
+    _run(ip, "n = n.rebuild(); rows = n.train()")
+    assert _stats() == (7, 3)
+    params = ip.user_ns["n"]
+    # the rebuilt handle runs EDIT2's programs: its loss is the fourth power of the residual
+    _run(ip, "check = float(jnp.mean((n.predict({'x': X[48:]}) - Y[48:]) ** 4))")
+    assert ip.user_ns["rows"][0]["valid_loss"] == pytest.approx(ip.user_ns["check"], rel=1e-5)
+    assert params is ip.user_ns["n"]
+
+
+def test_a_compile_whose_code_moved_while_it_compiled_is_dropped(ip):
+    """A cell redefines `helper` once the trace read it, while XLA compiles: the program is dropped,
+    nothing counted, and the key free for the rebuild to compile."""
+    import contextlib
+
+    _run(ip, "def probe(x):\n    return helper(x)\n")
+    ns = ip.user_ns
+    moved = ns["helper"]
+
+    @contextlib.contextmanager
+    def record_then_edit():
+        with nitro_ipy._closure.record() as recorder:
+            yield recorder
+        _run(ip, EDIT)  # lands after the trace, before the store
+
+    key = _cache.Key("probe", "t", (), ("x",), "", ())
+    before = nitro_ipy.cache_stats()
+    status, entry, detail = _compile.compile_ahead(key, ns["probe"], (np.ones(3, np.float32),),
+                                                   record=record_then_edit)
+    assert (status, entry) == ("drifted", None)
+    assert any("helper" in name for name in detail)
+    assert nitro_ipy.cache_stats().misses == before.misses and not _cache.known(key)
+    assert ns["helper"] is not moved
+
+
+def test_an_error_in_the_new_code_surfaces_at_the_rebuild(ip, capsys):
+    _run(ip, "def helper(r):\n    return r.no_such_method()\n")
+    assert _ahead.wait(60)
+    assert [(k, s) for k, s in _outcomes()] == [("grad", "failed"), ("eval", "failed")]
+    assert _stats() == (3, 1)  # a failed compile counts nothing (grad and eval poisoned, opt live)
+    result = ip.run_cell("n = n.rebuild(); n.train()")
+    assert isinstance(result.error_in_exec, AttributeError)
+    assert "no_such_method" in str(result.error_in_exec)
+    tb = result.error_in_exec.__traceback__
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    assert "helper" in frames  # the user's own frame, raised in the rebuild's cell
+
+
+def test_off_compiles_nothing_until_the_rebuild(ip, capsys):
+    _run(ip, "%nitro_ahead off")
+    assert "compile ahead is off" in capsys.readouterr().out
+    _run(ip, EDIT)
+    assert _ahead.wait(60)
+    assert _outcomes() == [] and _stats() == (3, 3)
+    assert "poisoned" not in capsys.readouterr().out  # today's behaviour: said when the handle runs
+    _run(ip, "n = n.rebuild(); n.train()")
+    out = capsys.readouterr().out
+    assert _stats() == (5, 3)
+    lines = [line for line in out.splitlines() if line.startswith("nitro_ipy: compiled")]
+    assert [line.split()[2] for line in lines] == ["grad", "eval"]
+    assert not any("ahead" in line for line in lines)
+
+
+def test_nitro_ahead_refuses_a_bad_word(ip):
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError, match="Valid options: on, off"):
+        ip.run_line_magic("nitro_ahead", "maybe")
+
+
+def test_bump_world_ahead_in_a_script(capsys):
+    mod = types.ModuleType("_ahead_script")
+    sys.modules[mod.__name__] = mod
+    try:
+        exec(compile(TINY_EXPERIMENT, "<ipython-input-2-ahead>", "exec"), mod.__dict__)
+        n = mod.Nitro(mod.Tiny(), data=mod.data, batch_size=16, progress=False)
+        n.train()
+        assert _ahead.wait(60)
+        exec(compile(EDIT, "<ipython-input-3-ahead>", "exec"), mod.__dict__)
+        nitro_ipy.bump_world()  # without `ahead`: nothing starts
+        assert _ahead.wait(60) and _stats() == (3, 3)
+        nitro_ipy.bump_world(ahead=True)
+        assert _ahead.wait(60)
+        assert _stats() == (5, 3)
+        n = n.rebuild()
+        n.train()
+        assert _stats() == (5, 3)
+    finally:
+        del sys.modules[mod.__name__]
