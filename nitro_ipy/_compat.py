@@ -153,3 +153,30 @@ def evict_traces(is_user) -> bool:
         elif any(part in name for part in _WRAPPED_FUN_TRACE_CACHES):
             cache.cache_clear()
     return True
+
+
+def ambient_mesh():
+    """The concrete mesh made current by `jax.set_mesh(mesh)` / `jax.sharding.use_mesh(mesh)` (or, on a
+    JAX without them, `with mesh:`), or None when none is set: the handle then runs on one device."""
+    from jax.sharding import Mesh
+
+    get = getattr(jax.sharding, "get_mesh", None)
+    if get is not None:
+        try:
+            mesh = get()
+        except Exception:
+            mesh = None
+        if isinstance(mesh, Mesh) and not mesh.empty:
+            return mesh
+    try:  # `with mesh:` (older JAX): the resource environment's physical mesh
+        from jax._src import mesh as mesh_lib
+
+        mesh = mesh_lib.thread_resources.env.physical_mesh
+    except Exception:
+        return None
+    return mesh if isinstance(mesh, Mesh) and not mesh.empty else None
+
+
+# The config option choosing the CPU backend's cross-process collectives (`"gloo"` for a multi-process run
+# on CPU: without it, a program spanning processes fails at its first all-reduce).
+CPU_COLLECTIVES_OPTION = "jax_cpu_collectives_implementation"

@@ -51,6 +51,7 @@ def compile_program(
     record: Callable | None = None,
     compiler_options: dict | None = None,
     sources: dict | None = None,
+    out_shardings=None,
 ):
     """Trace/lower/compile `fn` at `args` (JAX AOT), time it, and store the entry (a miss).
 
@@ -64,6 +65,8 @@ def compile_program(
     - `compiler_options`: XLA options, on top of `program_options`' policy.
     - `sources`: `{label: value}` a large constant baked into the program may have come from (the
       GraphConst fields), so the compile can say which one (`large_constants`).
+    - `out_shardings`: where the outputs go on a mesh (`_sharding.Sharded.out_shardings`); None lets XLA
+      choose (one device). Input shardings are the arguments' own.
 
     **Returns:** the stored `_cache.Entry`; if another thread is compiling the same key, the entry it
     stores (this thread waits for it: a key is compiled once, and the wait counts a hit).
@@ -72,7 +75,7 @@ def compile_program(
     if claimed is None:
         return entry
     try:
-        entry = _build(key, fn, args, donate_argnums, info, record, compiler_options, sources)
+        entry = _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, out_shardings)
     except BaseException as err:
         _cache.release(claimed, err)
         raise
@@ -85,10 +88,11 @@ def compile_program(
     return entry
 
 
-def _build(key, fn, args, donate_argnums, info, record, compiler_options, sources):
+def _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, out_shardings=None):
     """Trace (recording), lower and XLA-compile: the `Entry`, not yet stored."""
     why = explain_miss(key, info or {}, _cache.live_entries() + _cache.poisoned_entries())
-    jitted = jax.jit(fn, donate_argnums=donate_argnums)
+    placed = {} if out_shardings is None else {"out_shardings": out_shardings}
+    jitted = jax.jit(fn, donate_argnums=donate_argnums, **placed)
     t0 = time.perf_counter()
     if record is not None:
         # Only the trace runs user Python; lowering stays outside the recorder (and off a profiler hook).

@@ -20,6 +20,7 @@ from ._fields import short_repr
 from ._layout import FlatLayout, TreeLayout
 from ._programs import EVAL, GRAD, METRIC, OPT, PREDICT, program_key
 from ._report import Kind
+from ._sharding import placement
 
 
 def _strong(x):
@@ -41,6 +42,10 @@ class Nitro:
     - `progress`: show a progress bar while training (a widget in notebooks, text in terminals).
     - `flat_params`: update parameters as one flat buffer per dtype (default). Set False for optimizers
       whose maths is per array (LAMB, LARS, factored Adafactor, masks by parameter path).
+    - `mesh`: a `jax.sharding.Mesh` to run data parallel on (default: the mesh `jax.set_mesh` set, else
+      one device); each batch is split along its `data_axis` (default `"data"`), which `batch_size` must
+      divide. `param_sharding`: `(path, shape) -> PartitionSpec | None` to shard large parameters
+      (needs `flat_params=False`); params and optimizer state are replicated otherwise. See docs/scale.md.
     """
 
     def __init__(
@@ -55,10 +60,14 @@ class Nitro:
         seed: int = 0,
         progress: bool = True,
         flat_params: bool = True,
+        mesh=None,
+        data_axis: str = "data",
+        param_sharding=None,
     ):
         options = dict(
             data=data, batch_size=batch_size, max_epochs=max_epochs, accum=accum,
             schedules=schedules, seed=seed, progress=progress, flat_params=flat_params,
+            mesh=mesh, data_axis=data_axis, param_sharding=param_sharding,
         )
         self._setup(e, options, carry=None)
 
@@ -77,11 +86,14 @@ class Nitro:
         self.batch_size, self.max_epochs, self.accum = int(batch_size), int(max_epochs), int(accum)
         self.seed, self.progress, self.flat_params = options["seed"], options["progress"], options["flat_params"]
         self._options = options
+        # Where arrays live (one device, or a mesh): asked at setup, per batch and per compile.
+        self._place = place = placement(options["mesh"], options["data_axis"], options["param_sharding"])
+        place.check_batch_size(self.batch_size)
         # The handle is a fixed point from here on: hooks, routes and fingerprints are bound now.
         self._binding = b = bind(e, options["data"], options["schedules"])
         self.experiment = b.experiment
         # Device fields: converted once, strongly typed, passed to every program as traced inputs.
-        self._dev = {n: jax.device_put(v) for n, v in b.device_host.items()}
+        self._dev = place.replicate({n: jax.device_put(v) for n, v in b.device_host.items()})
 
         if carry is not None:
             params, opt_state, self.step, self.epoch = carry
@@ -91,13 +103,15 @@ class Nitro:
             rng = jax.random.PRNGKey(self.seed)
             self._params = jax.tree.map(_strong, b.init(b.experiment, rng))
             opt_state, self.step, self.epoch = None, 0, 0
+        self._params = place.params(self._params)
+        place.check_layout(self.flat_params)
         self._layout = (FlatLayout if self.flat_params else TreeLayout)(self._params)
         if opt_state is None:
             tx = b.optimizer(b.view(self._dev))
             opt_state = tx.init(self._layout.ravel(self._params))
-            self._state = jax.tree.map(_strong, opt_state)
+            self._state = jax.tree.map(_strong, opt_state) if place.mesh is None else place.opt_state(opt_state)
         else:
-            self._state = opt_state
+            self._state = place.opt_state(opt_state)
         self._settings = {"accum": self.accum, "layout": self._layout.signature}  # what specs' options name
 
         self._programs: dict = {}  # key -> Entry: what this handle runs (kept even if poisoned)
@@ -156,7 +170,8 @@ class Nitro:
             entry = _compile.compile_program(key, fn, args, donate_argnums=spec.donate,
                                              info={"graphconst": self._binding.graphconst.info},
                                              record=_closure.record, compiler_options=spec.compiler_options,
-                                             sources=self._binding.graphconst_sources)
+                                             sources=self._binding.graphconst_sources,
+                                             out_shardings=self._place.out_shardings(spec.kind, args))
             first = self._kinds_seen.get(key.kind)
             if spec.loops and first is not None and first.hooks == key.hooks and key.kind not in self._loops_reported:
                 self._loops_reported.add(key.kind)
@@ -226,12 +241,13 @@ class Nitro:
         metric_fields = {name: b.routes[name].pick(split) for name in b.metrics}
         fields = sorted(set(inputs) | set(targets) | {f for fs in metric_fields.values() for f in fs})
         host_view = b.view(b.device_host)
+        place = self._place
         loss_sums, sums = [], {}
         entry = None
         for batch, n_valid in eval_batches(split, fields, self.batch_size):
-            x = {k: batch[k] for k in inputs}
-            t = {k: batch[k] for k in targets}
-            args = (self._params, self._dev, x, t, np.int32(n_valid))
+            x = place.batch({k: batch[k] for k in inputs})
+            t = place.batch({k: batch[k] for k in targets})
+            args = (self._params, self._dev, x, t, place.replicate(np.int32(n_valid)))
             if entry is None:
                 entry = self._resolve(EVAL, args, inputs=inputs, targets=targets)
             else:
@@ -245,16 +261,16 @@ class Nitro:
             for name, (fn, residency) in b.metrics.items():
                 f = {k: batch[k][:n_valid] for k in metric_fields[name]}
                 if residency == "device":
-                    margs = (self._dev, outputs, f)
+                    margs = (self._dev, *place.metric_args((outputs, f)))
                     result = self._resolve(METRIC, margs, hook=name).call(*margs)
                 else:
-                    result = fn(host_view, jax.tree.map(np.asarray, outputs), **f)
+                    result = fn(host_view, jax.tree.map(np.asarray, place.host(outputs)), **f)
                 _accumulate(sums, name, result)
         out = {}
         if b.loss is not None:
-            out["loss"] = float(np.sum(np.asarray(jax.device_get(loss_sums), np.float64)) / n)
+            out["loss"] = float(np.sum(np.asarray(place.host(loss_sums), np.float64)) / n)
         for name, (s, c) in sums.items():
-            s, c = jax.device_get(s), jax.device_get(c)
+            s, c = place.host(s), place.host(c)
             value = np.asarray(s) / c if c is not None else np.asarray(s)
             out[name] = float(value) if np.ndim(value) == 0 else value
         return out
@@ -274,12 +290,12 @@ class Nitro:
         pieces = []
         entry = None
         for batch, n_valid in eval_batches(split, names, self.batch_size):
-            args = (self._params, self._dev, batch)
+            args = (self._params, self._dev, self._place.batch(batch))
             if entry is None:
                 entry = self._resolve(PREDICT, args)
             else:
                 _cache.count_hit(entry)
-            out = jax.device_get(entry.call(*args))
+            out = self._place.host(entry.call(*args))
             pieces.append(jax.tree.map(lambda o: np.asarray(o)[:n_valid], out))
         return jax.tree.map(lambda *xs: np.concatenate(xs), *pieces)
 

@@ -20,6 +20,7 @@ from . import _cache
 from ._compat import compiled_in_avals, compiled_out_avals
 from ._data import train_batches
 from ._errors import NonFiniteLossError
+from ._sharding import is_main_process
 
 _SYNC_SECONDS = 0.25  # how often losses are checked, reuse counted and the live panel told
 
@@ -66,10 +67,11 @@ def train_epoch(n, split: dict, fields, steps: int) -> float:
 
     **Returns:** the epoch's mean training loss. Raises `NonFiniteLossError` on a NaN or infinite loss.
     """
-    batches = train_batches(split, fields, n.batch_size, n.accum, (n.seed, n.epoch))
+    place = n._place  # on a mesh, each batch is split along the data axis as it is drawn
+    batches = place.batches(train_batches(split, fields, n.batch_size, n.accum, (n.seed, n.epoch)), n.accum > 1)
     bar = None  # opened after the first step, so compile lines print above it, not through it
     binding = n._binding
-    schedules, apply_schedules = binding.schedules, binding.apply_schedules
+    schedules, apply_schedules = binding.schedules, place.schedules(binding.apply_schedules)
     dev = n._dev  # schedules set its values in place, so the programs see them through this one dict
     gate = InterruptGate()
     losses, total, n_loss = [], 0.0, 0
@@ -86,7 +88,7 @@ def train_epoch(n, split: dict, fields, steps: int) -> float:
             n.step += 1
             losses.append(loss)
             gate.defer = False
-            if n.progress:
+            if n.progress and is_main_process():
                 bar = progress_bar(steps, f"epoch {n.epoch + 1}")
                 bar.update(1)
             grad_call, opt_call = grad.call, opt.call

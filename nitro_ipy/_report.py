@@ -11,6 +11,8 @@ import enum
 import sys
 from typing import Callable, NamedTuple
 
+from ._sharding import is_main_process
+
 
 class Kind(str, enum.Enum):
     """What a message is about. A `str` enum: `Kind.COMPILE == "compile"`."""
@@ -142,8 +144,11 @@ _sink: Callable[[Message], None] = print_sink
 
 def emit(kind: Kind, **data) -> Message:
     """Compose the message and send it to the current sink; a failing sink degrades to plain text, never
-    raises."""
+    raises. Under `jax.distributed` only process 0 says anything (`_sharding.is_main_process`): the
+    others compose the message and return it."""
     msg = message(kind, **data)
+    if not is_main_process():
+        return msg
     try:
         _sink(msg)
     except Exception:
