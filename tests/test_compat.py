@@ -73,3 +73,18 @@ def test_the_option_names_we_set_are_known_to_this_xla_or_dropped_cleanly():
             lowered.compile(compiler_options={name: value})
         except Exception as err:  # only ever "unknown": a known option with a bad value is our bug
             assert _compat.unknown_compile_option(err) == name
+
+
+def test_ambient_mesh_is_the_one_set_mesh_made_current():
+    assert _compat.ambient_mesh() is None
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    with jax.set_mesh(mesh):
+        assert _compat.ambient_mesh() is mesh
+    assert _compat.ambient_mesh() is None
+    if hasattr(jax.sharding, "use_mesh"):
+        with jax.sharding.use_mesh(mesh):
+            assert _compat.ambient_mesh() is mesh
+
+
+def test_cpu_collectives_option_is_a_config_option():
+    assert _compat.CPU_COLLECTIVES_OPTION in jax.config.values  # the two-process test sets it to "gloo"
