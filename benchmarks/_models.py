@@ -17,6 +17,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _harness import recorder_mode
 
 CELL_MODULE = "nitro_bench_cells"  # stands in for a notebook's `__main__`
 
@@ -24,11 +25,8 @@ CELL_MODULE = "nitro_bench_cells"  # stands in for a notebook's `__main__`
 # ---------------------------------------------------------------------------------------------- setup
 def recording_mode() -> str:
     """How dependency closures are recorded on this Python (the report says which)."""
-    from nitro_ipy import _closure
-
-    with _closure.record() as rec:
-        mode = rec._mode
-    return {"monitoring": "sys.monitoring", "traceback": "jaxpr tracebacks", "profile": "sys.setprofile"}[mode]
+    return {"monitoring": "sys.monitoring", "traceback": "jaxpr tracebacks", "profile": "sys.setprofile"}[
+        recorder_mode()]
 
 
 # ---------------------------------------------------------------------------------------------- model

@@ -21,9 +21,7 @@ Usage:
     python3 benchmarks/bench_handle.py --json out.json   # also write the results as JSON (`-`: stdout)
 """
 
-import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -31,7 +29,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _harness as H  # noqa: E402
 import _models as M  # noqa: E402
+from _harness import log  # noqa: E402
 
 CLOSURE = M.recording_mode()
 
@@ -113,17 +113,8 @@ def baseline_epoch(b) -> tuple:
     return c.wall, c.cpu
 
 
-def interleaved(rounds: int, a, b):
-    """`rounds` timings of `a()` and `b()`, alternating which goes first (ABBA...)."""
-    ta, tb = [], []
-    for r in range(rounds):
-        if r % 2 == 0:
-            ta.append(a())
-            tb.append(b())
-        else:
-            tb.append(b())
-            ta.append(a())
-    return ta, tb
+def wall(times) -> list:
+    return [t[0] for t in times]
 
 
 def summary(times, steps) -> dict:
@@ -144,10 +135,6 @@ def entries_by_kind() -> dict:
     return {e.kind: e for e in _cache.live_entries()}
 
 
-def log(msg=""):
-    print(msg, file=sys.stderr if ARGS.json == "-" else sys.stdout, flush=True)
-
-
 # ---------------------------------------------------------------------------------------------- sections
 def baseline_variant(cells, cfg, n, data, *, donate=False, compiler_options=None) -> dict:
     """Not a target: nitro against a more careful user's fused step, to show where nitro's lead comes
@@ -159,9 +146,9 @@ def baseline_variant(cells, cfg, n, data, *, donate=False, compiler_options=None
                    data, cfg["batch"])
     baseline_epoch(b)
     baseline_epoch(b)
-    tn, tb = interleaved(cfg["variant_rounds"], lambda: nitro_epoch(n), lambda: baseline_epoch(b))
+    tn, tb = H.interleaved(cfg["variant_rounds"], lambda: nitro_epoch(n), lambda: baseline_epoch(b))
     sn, sb = summary(tn, b.steps), summary(tb, b.steps)
-    return {"baseline": sb, "nitro": sn, "ratio": statistics.median(x[0] / y[0] for x, y in zip(tn, tb))}
+    return {"baseline": sb, "nitro": sn, "ratio": H.paired_ratio(wall(tn), wall(tb))}
 
 
 def steady_state(cells, name, cfg) -> dict:
@@ -179,10 +166,10 @@ def steady_state(cells, name, cfg) -> dict:
     for _ in range(2):  # warm: allocator, caches, branch predictors, the works
         nitro_epoch(n)
         baseline_epoch(b)
-    tn, tb = interleaved(cfg["rounds"], lambda: nitro_epoch(n), lambda: baseline_epoch(b))
+    tn, tb = H.interleaved(cfg["rounds"], lambda: nitro_epoch(n), lambda: baseline_epoch(b))
     steps = b.steps
     sn, sb = summary(tn, steps), summary(tb, steps)
-    paired = sorted(x[0] / y[0] for x, y in zip(tn, tb))
+    paired = H.paired_ratios(wall(tn), wall(tb))
     return {
         "config": dict(cfg, arrays=M.count_arrays(n.params), steps_per_epoch=steps),
         "nitro": sn,
@@ -298,16 +285,23 @@ def edit_cycles(cells, name, cfg, n, b) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- report
-def verdict(value, target) -> str:
-    return "PASS" if value <= target else "MISS"
+def rows(res) -> list:
+    """The targets (1, 2), each judged on its paired-median ratio: lower is faster, `<=` passes."""
+    out = []
+    for label, r, name in (("steady-state epoch, tiny MLP", res["tiny"], "tiny_epoch"),
+                           ("steady-state epoch, 120-layer MLP", res["deep"], "deep_epoch"),
+                           ("live-edit cycle, class edits", res["edit"], "edit_cycle")):
+        tgt = TARGETS[name]
+        out.append(H.Row(label, f"{r['ratio']:.2f}x", f"<= {tgt:.2f}x", r["ratio"] <= tgt))
+    if res["edit"]["ratio_helper"] is not None:
+        out.append(H.Row("live-edit cycle, helper-only edits (context)", f"{res['edit']['ratio_helper']:.2f}x"))
+    return out
 
 
 def report(res):
     t, d, c, e = res["tiny"], res["deep"], res["compile"], res["edit"]
     log()
-    log(f"nitro_ipy handle benchmark  (jax {jax.__version__}, {os.cpu_count()} cpu, "
-        f"{'QUICK' if ARGS.quick else 'full'} run, closure recording: {CLOSURE}, "
-        f"load avg {res['load'][0]:.1f} -> {res['load'][1]:.1f})")
+    log(f"nitro_ipy handle benchmark: {H.env_line(f'closure recording: {CLOSURE}')}")
     log()
     log("1. steady-state epoch: ratio = median over rounds of nitro epoch / adjacent baseline epoch")
     log(f"   {'model':<33}{'baseline':>11}{'nitro':>11}{'ratio':>7}{'target':>8}  {'range':<10}"
@@ -318,7 +312,7 @@ def report(res):
         rng = f"{r['ratio_paired_range'][0]:.2f}-{r['ratio_paired_range'][1]:.2f}"
         log(f"   {desc:<33}{r['baseline']['us_per_step_median']:>8.1f} us{r['nitro']['us_per_step_median']:>8.1f} us"
             f"{r['ratio']:>6.2f}x{'<=' + format(tgt, '.2f'):>8}  {rng:<10}{r['ratio_of_medians']:>7.2f}x"
-            f"{r['ratio_of_mins']:>7.2f}x  {verdict(r['ratio'], tgt)}")
+            f"{r['ratio_of_mins']:>7.2f}x")
     for k, what in (("vs_donated_baseline", "with donate_argnums=(0, 1)"),
                     ("vs_baseline_without_ynn", "compiled without YNNPACK, as nitro compiles narrow programs")):
         if k in d:
@@ -335,8 +329,7 @@ def report(res):
             f"{r['nitro_s']:>7.2f}{r['nitro_rebuild_s']:>8.3f}{r['nitro_grad_trace_s']:>7.2f}{r['nitro_grad_xla_s']:>7.2f}"
             f"{r['ratio']:>7.2f}x  {','.join(r['nitro_recompiled']) or '-'} (misses {r['nitro_misses']})")
     helper = f", helper-only edits {e['ratio_helper']:.2f}x" if e["ratio_helper"] is not None else ""
-    log(f"   median ratio (class edits) {e['ratio']:.2f}x   target <= {TARGETS['edit_cycle']:.2f}x   "
-        f"{verdict(e['ratio'], TARGETS['edit_cycle'])}{helper}")
+    log(f"   median ratio (class edits) {e['ratio']:.2f}x   target <= {TARGETS['edit_cycle']:.2f}x{helper}")
     if e["ratio_vs_baseline_without_ynn"] is not None:
         log(f"   (information) class edits vs a re-run cell whose jax.jit is given nitro's option for narrow "
             f"programs (no YNNPACK): median ratio {e['ratio_vs_baseline_without_ynn']:.2f}x")
@@ -360,28 +353,13 @@ def report(res):
     log(f"total wall time {res['wall_s']:.1f} s")
 
 
-def strip(obj):
-    if isinstance(obj, dict):
-        return {k: strip(v) for k, v in obj.items() if not k.startswith("_")}
-    if isinstance(obj, list):
-        return [strip(v) for v in obj]
-    return obj
-
-
-def main(argv=None):
-    global ARGS
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="CI smoke run (< 60 s): fewer epochs and edits")
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                   help="write results as JSON to PATH (`-` or no value: stdout; the table goes to stderr)")
-    ARGS = p.parse_args(argv)
-    cfg = QUICK if ARGS.quick else FULL
-    t0 = time.perf_counter()
-    load0 = os.getloadavg()[0]
+def main(argv=None) -> int:
+    H.parse_args(__doc__, argv, quick="CI smoke run (< 60 s): fewer epochs and edits")
+    cfg = QUICK if H.quick() else FULL
     # nitro's own messages (compile lines, stale notices) go where the log goes: never into JSON on stdout
     _report.set_sink(lambda m: log(f"    | {m.text}"))
     cells = M.Cells()
-    res = {"jax": jax.__version__, "cpus": os.cpu_count(), "quick": ARGS.quick, "closure": CLOSURE,
+    res = {"jax": jax.__version__, "cpus": os.cpu_count(), "quick": H.quick(), "closure": CLOSURE,
            "targets": TARGETS}
 
     nitro_ipy.cache_reset()
@@ -402,25 +380,14 @@ def main(argv=None):
     res["compile"] = compile_report(cfg["deep"], deep)
     log("120-layer MLP: live-edit cycles ...")
     res["edit"] = edit_cycles(cells, "DeepMLP", cfg["deep"], deep["_handle"], deep["_baseline"])
-    res["load"] = (load0, os.getloadavg()[0])
-    res["wall_s"] = time.perf_counter() - t0
-    res["verdicts"] = {
-        "tiny_epoch": verdict(res["tiny"]["ratio"], TARGETS["tiny_epoch"]),
-        "deep_epoch": verdict(deep["ratio"], TARGETS["deep_epoch"]),
-        "edit_cycle": verdict(res["edit"]["ratio"], TARGETS["edit_cycle"]),
-    }
+    res["env"] = H.env()
+    res["load"] = res["env"]["load"]
+    res["wall_s"] = H.elapsed()
+    table = rows(res)
+    res["verdicts"] = {name: H.verdict(row.ok) for name, row in zip(("tiny_epoch", "deep_epoch", "edit_cycle"), table)}
     report(res)
-    if ARGS.json:
-        text = json.dumps(strip(res), indent=2, default=float)
-        if ARGS.json == "-":
-            print(text)
-        else:
-            with open(ARGS.json, "w") as f:
-                f.write(text + "\n")
-    return res
+    return H.finish(res, table)
 
-
-ARGS = None
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

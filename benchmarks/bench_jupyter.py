@@ -18,12 +18,12 @@ Widgets are created without a kernel (ipywidgets' no-op comm): this times our Py
 Usage:
     python3 benchmarks/bench_jupyter.py            # full run (~30 s)
     python3 benchmarks/bench_jupyter.py --quick    # smoke run
+    python3 benchmarks/bench_jupyter.py --json out.json   # also write the results as JSON (`-`: stdout)
 """
 
-import argparse
 import dataclasses
-import gc
 import io
+import os
 import statistics
 import sys
 import time
@@ -37,6 +37,10 @@ from IPython.core.interactiveshell import InteractiveShell
 
 import nitro_ipy
 from nitro_ipy import Device, GraphConst, Nitro, _cache, _report
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as H  # noqa: E402
+from _harness import log  # noqa: E402
 
 TARGETS = {"cell_hook_us": 50.0, "panel_epoch_ratio": 1.02}
 
@@ -68,18 +72,10 @@ def _data(n: int) -> dict:
 
 
 def _alternate(a, b, rounds: int):
-    """Best times of `a()` and `b()` over `rounds`, run A B B A A B ..., each after a collection and with
-    the garbage collector paused, so neither side pays for the other's garbage. The best of N (as
-    `timeit` reports) estimates the cost itself; on a shared machine a median mostly measures the load."""
-    ta, tb = [], []
-    for i in range(rounds):
-        for fn, times in ((a, ta), (b, tb)) if i % 2 == 0 else ((b, tb), (a, ta)):
-            gc.collect()
-            gc.disable()
-            try:
-                times.append(fn())
-            finally:
-                gc.enable()
+    """Best times of `a()` and `b()` over `rounds`, interleaved with the garbage collector paused, so
+    neither side pays for the other's garbage. The best of N (as `timeit` reports) estimates the cost
+    itself; on a shared machine a median mostly measures the load."""
+    ta, tb = H.interleaved(rounds, a, b, pause_gc=True)
     return min(ta), min(tb)
 
 
@@ -130,7 +126,7 @@ def bench_panel(ip, steps: int, rounds: int) -> dict:
         return time.perf_counter() - t0
 
     panel = Panel()
-    sink = RichSink(ip, _report._sink)
+    sink = RichSink(ip, _report.sink())
     sink.panel = panel
 
     refreshes = []
@@ -147,7 +143,7 @@ def bench_panel(ip, steps: int, rounds: int) -> dict:
             refreshes.append(panel.refreshes - before)
 
     base, panelled = _alternate(epoch, with_panel, rounds)
-    a1, a2 = _alternate(epoch, epoch, rounds)  # A/A: how far apart two identical sides land here
+    aa = H.aa_ratio(epoch, rounds, pause_gc=True, best=True)  # how far apart two identical sides land here
     panel.close()
 
     # One refresh that changes a value (what a training update does), timed on its own.
@@ -167,17 +163,27 @@ def bench_panel(ip, steps: int, rounds: int) -> dict:
         "epoch_base_ms": base * 1e3,
         "epoch_panel_ms": panelled * 1e3,
         "panel_epoch_ratio": panelled / base,
-        "aa_ratio": a2 / a1,
+        "aa_ratio": aa,
         "panel_refresh_us": refresh_us,
         "panel_ceiling_pct": refresh_us * 4 / 1e6 * 100,
     }
 
 
+def rows(results: dict) -> list:
+    work_target = (TARGETS["panel_epoch_ratio"] - 1) * 100
+    return [
+        H.Row("cell hook, added per cell", f"{results['cell_hook_us']:+.1f} us",
+              f"< {TARGETS['cell_hook_us']:.0f} us", results["cell_hook_us"] < TARGETS["cell_hook_us"]),
+        H.Row("live panel, its own work per epoch", f"{results['panel_work_pct']:.3f} %", f"< {work_target:.0f} %",
+              results["panel_work_pct"] < work_target),
+        H.Row("live panel, epoch ratio (context)", f"{results['panel_epoch_ratio']:.3f}"),
+        H.Row("same epoch against itself, A/A (noise, context)", f"{results['aa_ratio']:.3f}"),
+    ]
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer cells, steps and rounds")
-    args = parser.parse_args(argv)
-    cells, steps, rounds = (1000, 200, 5) if args.quick else (2000, 1000, 21)
+    H.parse_args(__doc__, argv, quick="fewer cells, steps and rounds")
+    cells, steps, rounds = (1000, 200, 5) if H.quick() else (2000, 1000, 21)
 
     ip = InteractiveShell.instance()
     with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):  # epoch lines, progress bars
@@ -186,21 +192,18 @@ def main(argv=None) -> int:
         results.update(bench_panel(ip, steps, rounds))  # also leaves programs in the cache for the cell bench
         results.update(bench_cell_hook(ip, cells, rounds))
 
-    print(f"nitro_ipy Jupyter benchmark (jax {jax.__version__}, {jax.default_backend()}, "
-          f"{'quick' if args.quick else 'full'} run)")
-    print(f"1. cell hook: run_cell('pass') {results['cell_base_us']:.1f} us -> {results['cell_ext_us']:.1f} us: "
-          f"{results['cell_hook_us']:+.1f} us per cell (target < {TARGETS['cell_hook_us']:.0f} us) "
-          f"{'OK' if results['cell_hook_us'] < TARGETS['cell_hook_us'] else 'OVER'}")
-    print(f"   the two callbacks themselves: {results['callbacks_us']:.2f} us per cell")
-    work_ok = results["panel_work_pct"] < (TARGETS["panel_epoch_ratio"] - 1) * 100
-    print(f"2. panel: tiny-MLP epoch ({steps} steps) {results['epoch_base_ms']:.1f} ms -> "
-          f"{results['epoch_panel_ms']:.1f} ms: ratio {results['panel_epoch_ratio']:.3f}; the same epoch against "
-          f"itself (A/A, the noise floor here): {results['aa_ratio']:.3f}")
-    print(f"   the panel's own work: {results['panel_refreshes_per_epoch']:.0f} refresh(es) per epoch x "
-          f"{results['panel_refresh_us']:.0f} us = {results['panel_work_pct']:.3f} % of the epoch "
-          f"(target < {(TARGETS['panel_epoch_ratio'] - 1) * 100:.0f} %) {'OK' if work_ok else 'OVER'}")
-    print(f"   at the throttle's ceiling of 4 refreshes/s: {results['panel_ceiling_pct']:.3f} % of wall time")
-    return 0
+    log(f"nitro_ipy Jupyter benchmark: {H.env_line(f'backend {jax.default_backend()}')}")
+    log(f"1. cell hook: run_cell('pass') {results['cell_base_us']:.1f} us -> {results['cell_ext_us']:.1f} us: "
+        f"{results['cell_hook_us']:+.1f} us per cell (target < {TARGETS['cell_hook_us']:.0f} us)")
+    log(f"   the two callbacks themselves: {results['callbacks_us']:.2f} us per cell")
+    log(f"2. panel: tiny-MLP epoch ({steps} steps) {results['epoch_base_ms']:.1f} ms -> "
+        f"{results['epoch_panel_ms']:.1f} ms: ratio {results['panel_epoch_ratio']:.3f}; the same epoch against "
+        f"itself (A/A, the noise floor here): {results['aa_ratio']:.3f}")
+    log(f"   the panel's own work: {results['panel_refreshes_per_epoch']:.0f} refresh(es) per epoch x "
+        f"{results['panel_refresh_us']:.0f} us = {results['panel_work_pct']:.3f} % of the epoch "
+        f"(target < {(TARGETS['panel_epoch_ratio'] - 1) * 100:.0f} %)")
+    log(f"   at the throttle's ceiling of 4 refreshes/s: {results['panel_ceiling_pct']:.3f} % of wall time")
+    return H.finish({"targets": TARGETS, **results}, rows(results))
 
 
 if __name__ == "__main__":

@@ -32,10 +32,8 @@ Usage:
     python3 benchmarks/bench_staleness.py --json out.json   # also write the results as JSON (`-`: stdout)
 """
 
-import argparse
 import gc
 import importlib
-import json
 import os
 import random
 import shutil
@@ -53,6 +51,8 @@ from nitro_ipy import _cache, _closure, _compile, _report, _world
 from nitro_ipy import Nitro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as H  # noqa: E402
+from _harness import log  # noqa: E402
 from _models import Cells  # noqa: E402  (a module standing in for a notebook's namespace)
 
 TARGETS = {"fresh_ns": 1000.0, "scan_ms": 5.0, "record_pct": 10.0}
@@ -69,13 +69,6 @@ SOLO_HELPERS = 20  # private helpers of each no-overlap program
 LIB = "nitro_stal_lib"          # the shared user module file (overlap scenario)
 CELLS = "nitro_stal_cells"      # stands in for a notebook's `__main__`
 SOLO = "nitro_stal_solo_{k}"    # one module file per program (no-overlap scenario)
-
-ARGS = argparse.Namespace(quick=False, json=None)  # replaced by the command line under __main__
-
-
-def log(msg: str = "") -> None:
-    print(msg, file=sys.stderr if ARGS.json == "-" else sys.stdout, flush=True)
-
 
 class Messages:
     """Captures nitro_ipy's messages (compile lines, stale-cache reports) instead of printing them."""
@@ -159,8 +152,9 @@ def bench_entry(cfg) -> dict:
     with Messages():
         n = Nitro(ns["StalenessRegression"](), data=data, batch_size=32, max_epochs=1, progress=False)
         n.train()
-    programs = len(n._programs)
-    assert programs == 3 and all(e.closure is not None for e in n._programs.values()), n._programs
+    held = _cache.live_entries()  # the cache was empty: exactly the handle's programs
+    programs = len(held)
+    assert programs == 3 and all(e.closure is not None for e in held), held
 
     nitro_ipy.bump_world()
     _cache.ensure_fresh()
@@ -511,20 +505,14 @@ def first_call(recorded: bool, args) -> tuple:
 def bench_record(cfg) -> dict:
     nitro_ipy.cache_reset()
     args = first_call_args()
-    with _closure.record() as r:
-        mode = r._mode
+    mode = H.recorder_mode()
     with Messages():
         for _ in range(cfg["record_warmup"]):
             first_call(False, args)
             first_call(True, args)
-        plain, rec = [], []
-        for i in range(cfg["record_pairs"]):  # ABBA: drift on a shared machine hits both sides alike
-            if i % 2 == 0:
-                plain.append(first_call(False, args))
-                rec.append(first_call(True, args))
-            else:
-                rec.append(first_call(True, args))
-                plain.append(first_call(False, args))
+        # ABBA: drift on a shared machine hits both sides alike
+        plain, rec = H.interleaved(cfg["record_pairs"], lambda: first_call(False, args),
+                                   lambda: first_call(True, args))
     nitro_ipy.cache_reset()
 
     def med(rows, j):
@@ -562,37 +550,37 @@ def bench_record(cfg) -> dict:
 
 # ======================================================================================= report
 def table(res: dict) -> list:
-    """(measurement, measured, CPU, target, pass) rows; `pass` is judged on the measured (wall) figure."""
+    """The results rows; a verdict is judged on the measured (wall) figure."""
     e, s, r = res["entry"], res["scan"], res["record"]
     ov, so = s["overlap"], s["no_overlap"]
     scan_ms = TARGETS["scan_ms"]
+    Row = H.Row
     rows = [
-        ("ensure_fresh(), no bump", f"{e['ensure_fresh_ns']:.0f} ns", "-", f"< {TARGETS['fresh_ns']:.0f} ns",
-         e["ensure_fresh_ns"] < TARGETS["fresh_ns"]),
-        (f"Nitro._enter(), {e['handle_programs']} programs (context)", f"{e['enter_ns']:.0f} ns", "-", "-", None),
+        Row("ensure_fresh(), no bump", f"{e['ensure_fresh_ns']:.0f} ns", f"< {TARGETS['fresh_ns']:.0f} ns",
+            e["ensure_fresh_ns"] < TARGETS["fresh_ns"]),
+        Row(f"Nitro._enter(), {e['handle_programs']} programs (context)", f"{e['enter_ns']:.0f} ns"),
     ]
     for sc in (ov, so):
-        rows.append((f"scan after bump, {sc['label']} ({sc['deps_per_program_mean']:.0f} deps x {sc['programs']})",
-                     f"{sc['scan_ms_median']:.2f} ms", f"{sc['scan_cpu_ms_median']:.2f} ms", f"< {scan_ms:.0f} ms",
-                     sc["scan_ms_median"] < scan_ms))
+        rows.append(Row(f"scan after bump, {sc['label']} ({sc['deps_per_program_mean']:.0f} deps x {sc['programs']})",
+                        f"{sc['scan_ms_median']:.2f} ms", f"< {scan_ms:.0f} ms", sc["scan_ms_median"] < scan_ms,
+                        cpu=f"{sc['scan_cpu_ms_median']:.2f} ms"))
     for sc in (ov, so):
-        rows.append((f"scan with drift, {sc['label']} ({sc['drift_poisoned']} poisoned, context)",
-                     f"{sc['drift_scan_ms_median']:.2f} ms", "-", "-", None))
+        rows.append(Row(f"scan with drift, {sc['label']} ({sc['drift_poisoned']} poisoned, context)",
+                        f"{sc['drift_scan_ms_median']:.2f} ms"))
     for clock in ("cpu", "wall"):
         pct = r[f"overhead_{clock}_pct_paired"]
-        rows.append((f"recording on first call, {clock}, paired ({r['hook']})", f"{pct:+.1f} %", "-",
-                     f"< {TARGETS['record_pct']:.0f} %", pct < TARGETS["record_pct"]))
-        rows.append(("  same, ratio of the two medians (context)", f"{r[f'overhead_{clock}_pct']:+.1f} %", "-",
-                     "-", None))
-    rows.append(("recording, trace-phase ms added / first call (context)",
-                 f"{r['overhead_trace_phase_of_call_pct']:+.1f} %", "-", "-", None))
+        rows.append(Row(f"recording on first call, {clock}, paired ({r['hook']})", f"{pct:+.1f} %",
+                        f"< {TARGETS['record_pct']:.0f} %", pct < TARGETS["record_pct"]))
+        rows.append(Row("  same, ratio of the two medians (context)", f"{r[f'overhead_{clock}_pct']:+.1f} %"))
+    rows.append(Row("recording, trace-phase ms added / first call (context)",
+                    f"{r['overhead_trace_phase_of_call_pct']:+.1f} %"))
     return rows
 
 
 def print_report(res: dict) -> None:
     e, s, r = res["entry"], res["scan"], res["record"]
-    log(f"\nPython {sys.version.split()[0]}, jax {jax.__version__}, {os.cpu_count()} cpus, "
-        f"load {os.getloadavg()[0]:.2f}, {'quick' if ARGS.quick else 'full'} run, {res['seconds']:.0f} s")
+    seconds = f"{res['seconds']:.0f} s"
+    log(f"\nnitro_ipy staleness benchmark: {H.env_line(seconds)}")
     log(f"1. ensure_fresh: {e['ensure_fresh_ns']:.1f} ns/call median of {e['rounds']} x "
         f"{e['calls_per_round']:.0e} calls (min {e['ensure_fresh_ns_min']:.1f}; empty call + loop "
         f"{e['noop_call_ns']:.1f} ns, so {e['ensure_fresh_net_ns']:.1f} ns net); Nitro._enter "
@@ -618,45 +606,23 @@ def print_report(res: dict) -> None:
         f"{r['plain_trace_lower_ms']:.0f} -> "
         f"{r['record_trace_lower_ms']:.0f} ms ({r['overhead_trace_lower_pct']:+.1f}%), i.e. "
         f"{r['overhead_trace_phase_of_call_pct']:+.1f}% of the first call")
-    log()
-    rows = table(res)
-    w = max(len(row[0]) for row in rows)
-    log(f"{'measurement':<{w}}  {'measured':>10}  {'CPU':>9}  {'target':>9}  result")
-    log("-" * (w + 43))
-    for name, measured, cpu, target, ok in rows:
-        verdict = "-" if ok is None else "pass" if ok else "MISS"
-        log(f"{name:<{w}}  {measured:>10}  {cpu:>9}  {target:>9}  {verdict}")
 
 
-def main() -> int:
-    cfg = QUICK if ARGS.quick else FULL
-    t0 = time.perf_counter()
-    log(f"nitro_ipy staleness benchmark ({'quick' if ARGS.quick else 'full'}), Python {sys.version.split()[0]}")
+def main(argv=None) -> int:
+    H.parse_args(__doc__, argv, quick="smoke run (< 30 s)")
+    cfg = QUICK if H.quick() else FULL
+    log(f"nitro_ipy staleness benchmark ({'quick' if H.quick() else 'full'}), Python {sys.version.split()[0]}")
     log("1. entry point after no bump ...")
     entry = bench_entry(cfg)
     log(f"2. scan after a bump ({'compiling' if cfg['compile'] else 'tracing'} 2 x 50 recorded programs) ...")
     scan = bench_scan(cfg)
     log("3. closure recording on a first call ...")
     record = bench_record(cfg)
-    res = {"python": sys.version.split()[0], "jax": jax.__version__, "quick": ARGS.quick,
-           "entry": entry, "scan": scan, "record": record, "seconds": time.perf_counter() - t0}
-    res["table"] = [{"measurement": name, "measured": m, "cpu": c, "target": t, "pass": ok}
-                    for name, m, c, t, ok in table(res)]
+    res = {"python": sys.version.split()[0], "jax": jax.__version__, "quick": H.quick(),
+           "entry": entry, "scan": scan, "record": record, "seconds": H.elapsed()}
     print_report(res)
-    if ARGS.json:
-        text = json.dumps(res, indent=2, default=float)
-        if ARGS.json == "-":
-            print(text)
-        else:
-            with open(ARGS.json, "w") as f:
-                f.write(text + "\n")
-    return 0
+    return H.finish(res, table(res))
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="smoke run (< 30 s)")
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                   help="also write the results as JSON to PATH (`-` or no PATH: stdout, report to stderr)")
-    ARGS = p.parse_args()
     sys.exit(main())

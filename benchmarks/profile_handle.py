@@ -5,7 +5,8 @@ stated) so it can be re-measured after a change:
 
     python3 benchmarks/profile_handle.py            # every probe (~4 min on 2 cores)
     python3 benchmarks/profile_handle.py loop dispatch recorder optflags rebuild dots
-    python3 benchmarks/profile_handle.py --json out.json
+    python3 benchmarks/profile_handle.py --quick    # every probe, few repetitions: CI's smoke run
+    python3 benchmarks/profile_handle.py --json out.json   # also write the measurements as JSON (`-`: stdout)
 
 - `loop`: host-side cost per step of the step loop itself, programs stubbed out (nitro's `_train_epoch`
   vs the hand-written loop): the handle's own Python overhead, no dispatch, no compute.
@@ -23,7 +24,6 @@ stated) so it can be re-measured after a change:
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -31,7 +31,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _harness as H  # noqa: E402
 import _models as M  # noqa: E402
+from _harness import log  # noqa: E402
 
 CLOSURE = M.recording_mode()
 
@@ -45,6 +47,16 @@ from nitro_ipy import Nitro, _cache, _compile, _programs, _report  # noqa: E402
 DEEP = dict(in_dim=16, width=32, depth=120, batch=64)
 TINY = dict(in_dim=8, width=32, depth=1, batch=32)
 OUT: dict = {}
+
+# How many repetitions each probe makes; `--quick` measures the same things, fewer times and on a smaller
+# grid, so its figures are indicative only.
+FULL = dict(loop_steps={"tiny": 2000, "deep": 400}, loop_reps=7, dispatch_inner={"tiny": 300, "deep": 20},
+            dispatch_rounds=5, recorder_rounds=7, optflags=None, optflag_rounds=5, rebuild_edits=5,
+            dot_widths=(16, 32, 64, 128, 256), dot_batches=(8, 64, 256), dot_rounds=7)
+QUICK = dict(loop_steps={"tiny": 200, "deep": 40}, loop_reps=3, dispatch_inner={"tiny": 30, "deep": 2},
+             dispatch_rounds=1, recorder_rounds=1, optflags=("default", "O0"), optflag_rounds=1, rebuild_edits=2,
+             dot_widths=(32, 256), dot_batches=(8,), dot_rounds=2)
+CFG = FULL
 
 
 def best(fn, reps: int, inner: int, sync=lambda: None) -> dict:
@@ -65,8 +77,8 @@ def best(fn, reps: int, inner: int, sync=lambda: None) -> dict:
 
 
 def show(label: str, r: dict):
-    print(f"   {label:<52}{r['best_us']:>10.1f} us best {r['median_us']:>10.1f} us median "
-          f"{r['cpu_median_us']:>10.1f} us cpu", flush=True)
+    log(f"   {label:<52}{r['best_us']:>10.1f} us best {r['median_us']:>10.1f} us median "
+        f"{r['cpu_median_us']:>10.1f} us cpu")
 
 
 def handle_for(cells, cfg, steps=64, name="Exp"):
@@ -81,24 +93,25 @@ def handle_for(cells, cfg, steps=64, name="Exp"):
 # ---------------------------------------------------------------------------------------------- probes
 def probe_loop(cells):
     """The step loop's own host cost: programs replaced by stubs returning their inputs' worth."""
-    print("loop: host cost per step with the programs stubbed out (slicing + loop + handle bookkeeping)")
+    log("loop: host cost per step with the programs stubbed out (slicing + loop + handle bookkeeping)")
     res = {}
-    for label, cfg, steps in (("tiny", TINY, 2000), ("deep", DEEP, 400)):
+    for label, cfg in (("tiny", TINY), ("deep", DEEP)):
+        steps = CFG["loop_steps"][label]
         nitro_ipy.cache_reset()
         n, data, ent = handle_for(cells, cfg, steps, name=f"Loop{label}")
         grad, opt = ent["grad"], ent["opt"]
-        g_out = grad.call(n._params, n._dev, {k: v[: cfg["batch"]] for k, v in data.items()})
+        g_out = grad.call(n.params, n._dev, {k: v[: cfg["batch"]] for k, v in data.items()})
         real = grad.call, opt.call
         grad.call = lambda p, d, b: g_out
         opt.call = lambda p, g, s, d: (p, s)
         try:
-            r_n = best(lambda: n.train(), 7, 1)
+            r_n = best(lambda: n.train(), CFG["loop_reps"], 1)
         finally:
             grad.call, opt.call = real
         params = M.init_mlp(jax.random.PRNGKey(0), cfg["in_dim"], cfg["width"], cfg["depth"])
         loss = jnp.zeros(())
         b = M.Baseline(lambda p, s, x, y: (p, s, loss), optax.adam(1e-3), params, data, cfg["batch"])
-        r_b = best(lambda: b.run_epoch(), 7, 1)
+        r_b = best(lambda: b.run_epoch(), CFG["loop_reps"], 1)
         per = lambda r: {k: v / steps for k, v in r.items()}
         res[label] = {"nitro": per(r_n), "baseline": per(r_b)}
         show(f"{label}: baseline loop, step stubbed", per(r_b))
@@ -107,9 +120,10 @@ def probe_loop(cells):
 
 
 def probe_dispatch(cells):
-    print("dispatch: per-step cost of the programs (no host slicing; device or numpy batch)")
+    log("dispatch: per-step cost of the programs (no host slicing; device or numpy batch)")
     res = {}
-    for label, cfg, inner in (("tiny", TINY, 300), ("deep", DEEP, 20)):
+    for label, cfg in (("tiny", TINY), ("deep", DEEP)):
+        inner = CFG["dispatch_inner"][label]
         nitro_ipy.cache_reset()
         n, data, ent = handle_for(cells, cfg, name=f"Disp{label}")
         G, O = ent["grad"].call, ent["opt"].call
@@ -120,7 +134,7 @@ def probe_dispatch(cells):
         step, opt = cells.define_baseline()
         p0 = M.init_mlp(jax.random.PRNGKey(0), cfg["in_dim"], cfg["width"], cfg["depth"])
         bst = [p0, opt.init(p0)]
-        nst = [n._params, n._state]
+        nst = [n.params, n.state]
         dev = n._dev
         sync = lambda: jax.block_until_ready((nst, bst))
 
@@ -157,7 +171,7 @@ def probe_dispatch(cells):
         out = {}
         # interleave the rows, several rounds, keep each row's best and median
         acc = {k: [] for k, _ in rows}
-        for _ in range(5):
+        for _ in range(CFG["dispatch_rounds"]):
             for k, f in rows:
                 acc[k].append(best(f, 3, inner, sync))
         for k, _ in rows:
@@ -171,13 +185,13 @@ def probe_dispatch(cells):
 
 
 def probe_recorder(cells):
-    print("recorder: first call (trace+lower, then XLA) of the grad program at 242 arrays, per way of recording")
+    log("recorder: first call (trace+lower, then XLA) of the grad program at 242 arrays, per way of recording")
     from nitro_ipy import _closure
 
     nitro_ipy.cache_reset()
     n, data, _ = handle_for(cells, DEEP, 8, name="Rec")
     batch = {k: v[: DEEP["batch"]] for k, v in data.items()}
-    args = (n._params, n._dev, batch)
+    args = (n.params, n._dev, batch)
     modes = ["monitoring", "traceback"] if sys.version_info >= (3, 12) else ["traceback", "profile"]
     functions = {}
 
@@ -204,10 +218,8 @@ def probe_recorder(cells):
 
     for m in (None, *modes):  # warm-up: JAX's and nitro_ipy's own first-use costs
         first_call(m)
-    res = {m: [] for m in (None, *modes)}
-    for r in range(7):
-        for m in (None, *modes) if r % 2 == 0 else (*modes, None):  # alternate the order against drift
-            res[m].append(first_call(m))
+    sides = (None, *modes)  # interleaved, the order alternating against drift
+    res = dict(zip(sides, H.interleaved(CFG["recorder_rounds"], *[lambda m=m: first_call(m) for m in sides])))
     out = {"default_mode": modes[0], "functions": functions}
     med = lambda rows, j: statistics.median(row[j] for row in rows)  # noqa: E731
     base_trace, base_total = med(res[None], 0), statistics.median(a + b for a, b in res[None])
@@ -217,11 +229,11 @@ def probe_recorder(cells):
                              "trace_added_pct": (med(rows, 0) / base_trace - 1) * 100,
                              "first_call_added_pct": (total / base_total - 1) * 100}
         o = out[m or "plain"]
-        print(f"   {m or 'plain':<12} trace+lower {o['trace_lower_s']:.3f} s  XLA {o['xla_s']:.3f} s  "
-              f"first call {o['first_call_s']:.3f} s  ({o['trace_added_pct']:+.0f}% trace, "
-              f"{o['first_call_added_pct']:+.1f}% first call; medians of 7)", flush=True)
+        log(f"   {m or 'plain':<12} trace+lower {o['trace_lower_s']:.3f} s  XLA {o['xla_s']:.3f} s  "
+            f"first call {o['first_call_s']:.3f} s  ({o['trace_added_pct']:+.0f}% trace, "
+            f"{o['first_call_added_pct']:+.1f}% first call; medians of {CFG['recorder_rounds']})")
     for m, fns in functions.items():
-        print(f"   {m} saw {fns}")
+        log(f"   {m} saw {fns}")
     OUT["recorder"] = out
 
 
@@ -235,22 +247,24 @@ OPT_FLAGS = {
 
 
 def probe_optflags(cells):
-    print("optflags: optimizer program at 242 arrays: XLA compile seconds and run time per call")
+    log("optflags: optimizer program at 242 arrays: XLA compile seconds and run time per call")
     nitro_ipy.cache_reset()
     n, _, ent = handle_for(cells, DEEP, 8, name="Flags")
     layout, dev = n._layout, n._dev
     fn = _programs.make_optimizer(n._view, n._optimizer, layout)
-    params, state = n._params, n._state
+    params, state = n.params, n.state
     flat = layout.ravel(params)
     tx = optax.adam(1e-3)
     progs, out = {}, {}
     lowered = jax.jit(fn, donate_argnums=(0, 2)).lower(params, flat, state, dev)
     for name, opts in OPT_FLAGS.items():
+        if CFG["optflags"] is not None and name not in CFG["optflags"]:
+            continue
         t0 = time.perf_counter()
         try:
             progs[name] = lowered.compile(compiler_options=opts) if opts else lowered.compile()
         except Exception as err:  # an option this XLA does not know
-            print(f"   {name:<36} unavailable: {str(err)[:80]}")
+            log(f"   {name:<36} unavailable: {str(err)[:80]}")
             continue
         out[name] = {"xla_s": time.perf_counter() - t0}
 
@@ -279,38 +293,38 @@ def probe_optflags(cells):
         return f, lambda: jax.block_until_ready(st)
 
     acc = {k: [] for k in progs}
-    for _ in range(5):
+    for _ in range(CFG["optflag_rounds"]):
         for k in progs:
             f, sync = runner(k)
             acc[k].append(best(f, 3, 20, sync))
     for k in progs:
         out[k].update(best_us=min(r["best_us"] for r in acc[k]),
                       median_us=statistics.median(r["median_us"] for r in acc[k]))
-        print(f"   {k:<44} XLA {out[k]['xla_s']:>6.2f} s   run {out[k]['best_us']:>8.1f} us best "
-              f"{out[k]['median_us']:>8.1f} us median", flush=True)
+        log(f"   {k:<44} XLA {out[k]['xla_s']:>6.2f} s   run {out[k]['best_us']:>8.1f} us best "
+            f"{out[k]['median_us']:>8.1f} us median")
     OUT["optflags"] = out
 
 
 def probe_rebuild(cells):
-    print("rebuild: n.rebuild() after a class edit, and copying the carried state (242 + 3 arrays)")
+    log("rebuild: n.rebuild() after a class edit, and copying the carried state (242 + 3 arrays)")
     nitro_ipy.cache_reset()
     n, _, _ = handle_for(cells, DEEP, 8, name="Reb")
     times = []
-    for k in range(5):
+    for k in range(CFG["rebuild_edits"]):
         cells.define_experiment("Reb", **{x: DEEP[x] for x in ("in_dim", "width", "depth")},
                                 loss_expr=M.edited_loss(100 + k))
         nitro_ipy.bump_world()
         t0 = time.perf_counter()
         n = n.rebuild()
         times.append(time.perf_counter() - t0)
-    tree = (n._params, n._state)
+    tree = (n.params, n.state)
     ways = {
         "tree.map(x.copy()) (now)": lambda t: jax.tree.map(lambda x: x.copy(), t),
         "jax.device_put(tree, may_alias=False)": lambda t: jax.device_put(t, may_alias=False),
         "one jitted copy of the tree": jax.jit(lambda t: jax.tree.map(jnp.copy, t)),
     }
     out = {"rebuild_s": times}
-    print(f"   rebuild: first {times[0] * 1e3:.1f} ms, then {min(times[1:]) * 1e3:.1f} ms best")
+    log(f"   rebuild: first {times[0] * 1e3:.1f} ms, then {min(times[1:]) * 1e3:.1f} ms best")
     for name, f in ways.items():
         ts = []
         for _ in range(5):
@@ -318,7 +332,7 @@ def probe_rebuild(cells):
             jax.block_until_ready(f(tree))
             ts.append(time.perf_counter() - t0)
         out[name] = {"first_ms": ts[0] * 1e3, "best_after_ms": min(ts[1:]) * 1e3}
-        print(f"   {name:<42} first {ts[0] * 1e3:>8.1f} ms   then {min(ts[1:]) * 1e3:>7.1f} ms best")
+        log(f"   {name:<42} first {ts[0] * 1e3:>8.1f} ms   then {min(ts[1:]) * 1e3:>7.1f} ms best")
     OUT["rebuild"] = out
 
 
@@ -326,11 +340,11 @@ def probe_dots(cells):
     """Behind `_compile.NARROW_DOT`: for MLP gradient programs (8 layers) over a grid of widths and batch
     sizes, the first call of a new program (YNNPACK builds its runtime per multiply there) and the run time
     after it, with YNNPACK (XLA's default) and without (XLA's own kernels)."""
-    print("dots: gradient program of an 8-layer MLP, multiplies by YNNPACK (default) vs XLA's own kernels")
-    print(f"   {'width':>5}{'batch':>6} | {'first call: ynn':>16}{'own':>8} | {'run: ynn':>10}{'own':>10}{'own/ynn':>9}")
+    log("dots: gradient program of an 8-layer MLP, multiplies by YNNPACK (default) vs XLA's own kernels")
+    log(f"   {'width':>5}{'batch':>6} | {'first call: ynn':>16}{'own':>8} | {'run: ynn':>10}{'own':>10}{'own/ynn':>9}")
     out = []
-    for width in (16, 32, 64, 128, 256):
-        for batch in (8, 64, 256):
+    for width in CFG["dot_widths"]:
+        for batch in CFG["dot_batches"]:
             params = M.init_mlp(jax.random.PRNGKey(0), width, width, 8)
             x = jnp.ones((batch, width), jnp.float32)
             y = jnp.zeros((batch,), jnp.float32)
@@ -344,7 +358,7 @@ def probe_dots(cells):
                 progs[name] = c
             for name in progs:  # interleaved rounds, median of each side
                 row[f"run_us_{name}"] = []
-            for _ in range(7):
+            for _ in range(CFG["dot_rounds"]):
                 for name, c in progs.items():
                     t0 = time.perf_counter()
                     for _ in range(20):
@@ -355,8 +369,8 @@ def probe_dots(cells):
                 row[f"run_us_{name}"] = statistics.median(row[f"run_us_{name}"])
             row["own_over_ynn"] = row["run_us_own"] / row["run_us_ynn"]
             out.append(row)
-            print(f"   {width:>5}{batch:>6} | {row['first_ms_ynn']:>13.1f} ms{row['first_ms_own']:>5.1f} ms |"
-                  f"{row['run_us_ynn']:>7.0f} us{row['run_us_own']:>7.0f} us{row['own_over_ynn']:>8.2f}x", flush=True)
+            log(f"   {width:>5}{batch:>6} | {row['first_ms_ynn']:>13.1f} ms{row['first_ms_own']:>5.1f} ms |"
+                f"{row['run_us_ynn']:>7.0f} us{row['run_us_own']:>7.0f} us{row['own_over_ynn']:>8.2f}x")
     OUT["dots"] = out
 
 
@@ -364,25 +378,26 @@ PROBES = {"loop": probe_loop, "dispatch": probe_dispatch, "recorder": probe_reco
           "optflags": probe_optflags, "rebuild": probe_rebuild, "dots": probe_dots}
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("probes", nargs="*", metavar="PROBE", help=f"any of {', '.join(PROBES)} (default: all)")
-    p.add_argument("--json", metavar="PATH", help="also write the measurements as JSON")
-    args = p.parse_args(argv)
+def main(argv=None) -> int:
+    global CFG
+
+    def probe(name: str) -> str:
+        if name not in PROBES:
+            raise argparse.ArgumentTypeError(f"unknown probe {name}; choose from {', '.join(PROBES)}")
+        return name
+
+    args = H.parse_args(__doc__, argv, quick="every probe with few repetitions (CI's smoke run)",
+                        extra=lambda p: p.add_argument("probes", nargs="*", type=probe, metavar="PROBE",
+                                                       help=f"any of {', '.join(PROBES)} (default: all)"))
+    CFG = QUICK if H.quick() else FULL
     _report.set_sink(lambda m: None)  # compile lines would interleave with the tables
     cells = M.Cells()
-    print(f"jax {jax.__version__}, {os.cpu_count()} cpu, closure recording: {CLOSURE}, "
-          f"load avg {os.getloadavg()[0]:.1f}")
-    unknown = [x for x in args.probes if x not in PROBES]
-    if unknown:
-        p.error(f"unknown probe {', '.join(unknown)}; choose from {', '.join(PROBES)}")
+    log(f"nitro_ipy handle profile: {H.env_line(f'closure recording: {CLOSURE}')}")
     for name in args.probes or PROBES:
         PROBES[name](cells)
     OUT["load_end"] = os.getloadavg()[0]
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(OUT, f, indent=2, default=float)
+    return H.finish(OUT)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

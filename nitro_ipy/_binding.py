@@ -17,7 +17,7 @@ from . import _closure
 from ._data import check_splits
 from ._errors import NitroTypeError, NitroValueError
 from ._fields import CompileView, GraphConstPrints, field_kinds, graphconst_prints, short_repr
-from ._fingerprint import Unfingerprintable, code_fingerprint, function_fingerprint
+from ._fingerprint import Unfingerprintable, code_fingerprint, fingerprint, function_fingerprint
 from ._hooks import batch_fields, hook, live_class, metric_hooks
 
 
@@ -68,6 +68,19 @@ class Binding:
     def graphconst_sources(self) -> dict:
         """`{"GraphConst field `name`": value}`: where a large constant baked into a program may come from."""
         return {f"GraphConst field `{n}`": v for n, v in self.graphconst.values.items()}
+
+    def check_graphconst_unchanged(self) -> None:
+        """Refuse to key a program once a GraphConst value changed in place since setup."""
+        for name, value in self.graphconst.values.items():
+            before, shown = self.graphconst.info[name]
+            if fingerprint(value, name) != before:
+                raise NitroValueError(
+                    f"GraphConst field `{name}` of `{self.cls.__qualname__}` changed in place since this "
+                    f"handle was built ({shown} -> {short_repr(value)}); the compile key holds the value it "
+                    f"had then, so no program can be keyed for it now. Give the experiment a new value "
+                    f"instead (`e = dataclasses.replace(e, {name}=...)`) and build a new handle "
+                    f"(`Nitro(e, ...)`)."
+                )
 
     def split(self, name: str) -> dict:
         """Split `name`, or an error naming the splits this handle has and how to add one."""

@@ -7,8 +7,10 @@ Its surface for the rest of the package (the handle, the Jupyter side, the bench
 why a key missed is `_explain.py`.
 """
 
+import collections
 import dataclasses
 import threading
+import weakref
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -110,10 +112,52 @@ class Entry:
         return ", ".join(f"{s.path or 'arg'}{list(s.shape)}" for s in self.key.args[1] if s.shape)
 
 
+class Held:
+    """Entries the cache no longer serves but some handle may still run: held weakly, in order, so an
+    executable is released once no handle holds its entry (a poisoned program, or one a `cache_reset()`
+    dropped), while the handles that do hold one can still be told it went stale."""
+
+    __slots__ = ("_refs",)
+
+    def __init__(self):
+        self._refs: dict[int, weakref.ref] = {}
+
+    def add(self, entry: Entry) -> None:
+        refs = self._refs
+        refs[id(entry)] = weakref.ref(entry, lambda _, i=id(entry): refs.pop(i, None))
+
+    def discard(self, entry: Entry) -> None:
+        ref = self._refs.get(id(entry))
+        if ref is not None and ref() is entry:
+            del self._refs[id(entry)]
+
+    def alive(self) -> list[Entry]:
+        return [e for e in (ref() for ref in list(self._refs.values())) if e is not None]
+
+
+class Poisoned:
+    """One poisoning: the entry while a handle holds it, and what `%nitro_stats` and miss explanations
+    keep of it once released (the entry without its executable and closure)."""
+
+    __slots__ = ("ref", "summary")
+
+    def __init__(self, entry: Entry):
+        self.ref = weakref.ref(entry)
+        self.summary = dataclasses.replace(entry, call=None, closure=None)
+
+    def entry(self) -> Entry:
+        return self.ref() or self.summary
+
+
+# Poisonings remembered for `%nitro_stats` and explanations: enough for a long session's edits, bounded.
+POISONINGS = 256
+
+
 class _State:
     def __init__(self, generation: int):
         self.entries: dict[Key, Entry] = {}
-        self.poisoned: list[Entry] = []
+        self.poisoned: collections.deque = collections.deque(maxlen=POISONINGS)  # of `Poisoned`
+        self.orphans = Held()  # live entries of before the last `cache_reset()`, for the drift scan
         self.hits = 0
         self.misses = 0
         self.scanned_world = -1
@@ -138,8 +182,12 @@ def cache_reset() -> None:
     global _state
     with _lock:
         _memo.clear_all()
-        _state = _State(_state.generation + 1)
+        old, _state = _state, _State(_state.generation + 1)
         _state.scanned_world = world()
+        # A handle built before the reset keeps running its programs: the scan still checks them (held
+        # weakly), so such a handle can still learn that one went stale.
+        for entry in (*old.entries.values(), *old.orphans.alive()):
+            _state.orphans.add(entry)
     publish("reset")
 
 
@@ -186,7 +234,18 @@ def live_entries() -> list[Entry]:
 
 
 def poisoned_entries() -> list[Entry]:
-    return list(_state.poisoned)
+    """Entries poisoned since the last reset, oldest first: the entry itself while a handle holds it,
+    else its summary (released: no executable, no closure)."""
+    return [p.entry() for p in _state.poisoned]
+
+
+def _held_poisoned() -> list[Entry]:
+    return [e for e in (p.ref() for p in _state.poisoned) if e is not None]
+
+
+def explanation_candidates() -> list:
+    """What a miss is explained against: live entries, then the poisoned ones (held or summarised)."""
+    return [*_state.entries.values(), *poisoned_entries()]
 
 
 def count_hit(entry: Entry, uses: int = 1) -> None:
@@ -272,18 +331,22 @@ def poison(entry: Entry, drifted) -> None:
         entry.drifted = tuple(drifted)
         if _state.entries.get(entry.key) is entry:
             del _state.entries[entry.key]
-        _state.poisoned.append(entry)
+        _state.orphans.discard(entry)
+        _state.poisoned.append(Poisoned(entry))
 
 
 def revive(entry: Entry) -> None:
-    """Serve a poisoned `entry` again (its dependencies are as they were when it was compiled)."""
+    """Serve a poisoned `entry` again (its dependencies are as they were when it was compiled): the
+    handles holding it stop being stale. A live entry under the same key stays: `entry` is then only
+    current again for the handles that hold it."""
     with _lock:
         if not entry.poisoned:
             return
         entry.poisoned, entry.drifted = False, ()
-        if entry in _state.poisoned:
-            _state.poisoned.remove(entry)
-        _state.entries[entry.key] = entry
+        kept = [p for p in _state.poisoned if p.ref() is not entry]
+        _state.poisoned.clear()
+        _state.poisoned.extend(kept)
+        _state.entries.setdefault(entry.key, entry)
 
 
 # ---------------------------------------------------------------- staleness
@@ -331,7 +394,12 @@ def _scan_entries() -> None:
     memo: dict = {}
     poisoned, names = [], []
     disk: list[str] = []
-    for entry in list(_state.entries.values()):
+    # An edit reverted (its dependencies fingerprint as at compile time again) makes a poisoned entry
+    # current again: revived, it is served instead of compiled anew, and its old handles stop warning.
+    for entry in _held_poisoned():
+        if entry.closure is not None and not entry.closure.drift(memo):
+            revive(entry)
+    for entry in [*_state.entries.values(), *_state.orphans.alive()]:
         closure = entry.closure
         if closure is None:
             continue

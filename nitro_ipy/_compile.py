@@ -90,7 +90,7 @@ def compile_program(
 
 def _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, out_shardings=None):
     """Trace (recording), lower and XLA-compile: the `Entry`, not yet stored."""
-    why = explain_miss(key, info or {}, _cache.live_entries() + _cache.poisoned_entries())
+    why = explain_miss(key, info or {}, _cache.explanation_candidates())
     placed = {} if out_shardings is None else {"out_shardings": out_shardings}
     jitted = jax.jit(fn, donate_argnums=donate_argnums, **placed)
     t0 = time.perf_counter()

@@ -164,6 +164,9 @@ class Nitro:
         if entry is not None:
             _cache.count_hit(entry)
             return entry
+        # The key holds the GraphConst fingerprints taken at setup, the trace reads the live values: a
+        # value mutated in place since would put a program of the new value under the old key.
+        self._binding.check_graphconst_unchanged()
         entry = _cache.lookup(key)
         if entry is None:
             fn = spec.build(self._binding, self._layout, self.accum, hook, **fields)

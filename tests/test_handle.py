@@ -383,3 +383,34 @@ def test_interrupt_mid_epoch_leaves_handle_usable():
     n.train()
     assert n.step == 14
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@dataclasses.dataclass
+class Scaled:
+    scale: GraphConst[object] = None
+
+    def init(self, rng):
+        return {"w": jnp.ones((2,))}
+
+    def forward(self, params, *, x):
+        return x @ params["w"] * self.scale[0]
+
+
+def test_a_graphconst_value_mutated_in_place_is_refused_before_any_program_is_keyed_for_it():
+    e = Scaled(np.array([1.0], np.float32))
+    x = {"x": np.ones((4, 2), np.float32)}
+    n = Nitro(e, batch_size=4, progress=False)
+    e.scale[0] = 1000.0  # the key still holds [1.0]
+    with pytest.raises(nitro_ipy.NitroValueError) as err:
+        n.predict(x)
+    assert str(err.value) == (
+        "GraphConst field `scale` of `Scaled` changed in place since this handle was built "
+        "(array([1.], dtype=float32) -> array([1000.], dtype=float32)); the compile key holds the value it "
+        "had then, so no program can be keyed for it now. Give the experiment a new value instead "
+        "(`e = dataclasses.replace(e, scale=...)`) and build a new handle (`Nitro(e, ...)`)."
+    )
+    assert nitro_ipy.cache_stats() == (0, 0, 0)  # nothing compiled or stored under the old key
+    fresh = Nitro(e, batch_size=4, progress=False)  # a new handle keys the value it sees
+    np.testing.assert_allclose(fresh.predict(x), 2000.0)
+    e.scale[0] = 1.0  # back to the value the first handle was keyed for: it works again
+    np.testing.assert_allclose(n.predict(x), 2.0)

@@ -4,8 +4,8 @@ clicked the way a front end clicks it, `%nitro_stats` and `%nitro_panel` outputs
 One kernel for the module. Cell files here are `.../ipykernel_PID/HASH.py`, not `<ipython-input-N-...>`.
 """
 
-import importlib.util
 import json
+import sys
 import textwrap
 from pathlib import Path
 
@@ -13,15 +13,11 @@ import pytest
 from _cells import TINY_EXPERIMENT
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repository's tools/ (not installed with the package)
+from tools.nbrun import kernel_manager  # noqa: E402
+
 STALE_LINE = "! this handle's compiled programs had dependency methods redefined"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
-
-
-def _demo():
-    spec = importlib.util.spec_from_file_location("nitro_demo", ROOT / "demo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class Kernel:
@@ -56,7 +52,7 @@ class Kernel:
 
 @pytest.fixture(scope="module")
 def kernel():
-    with _demo().kernel_manager() as km:
+    with kernel_manager() as km:
         km.start_kernel(cwd=str(ROOT))
         client = km.client()
         client.start_channels()

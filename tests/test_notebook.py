@@ -1,15 +1,19 @@
-"""`notebooks/quickstart.ipynb`, executed headless in a real kernel (nbclient, as `demo.py` runs it).
+"""`notebooks/quickstart.ipynb`, executed headless in a real kernel (nbclient, by `tools/nbrun.py`, the
+runner `demo.py` prints it with).
 
 One execution for the module; each test reads its outputs.
 """
 
-import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repository's tools/ (not installed with the package)
+from tools import nbrun  # noqa: E402
+
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
 STALE_LINE = "! this handle's compiled programs had dependency methods redefined: __main__.huber (eval, grad)."
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -17,16 +21,8 @@ COMPILED = re.compile(r"^nitro_ipy: compiled (\S+) \[", re.M)
 
 
 @pytest.fixture(scope="module")
-def demo():
-    spec = importlib.util.spec_from_file_location("nitro_demo", ROOT / "demo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def executed(demo):
-    nb, error = demo.execute_notebook(str(NOTEBOOK))
+def executed():
+    nb, error = nbrun.execute_notebook(str(NOTEBOOK))
     assert error is None, str(error)
     return nb
 
@@ -111,8 +107,8 @@ def test_the_panel_text_fallback_ends_up_current(executed):
     )
 
 
-def test_demo_prints_what_a_user_sees(demo, executed):
-    text = demo.render(executed)
+def test_demo_prints_what_a_user_sees(executed):
+    text = nbrun.render(executed)
     assert "In [6]:\n    nitro_ipy.cache_reset(); n = Nitro(e, batch_size=32, max_epochs=1)" in text
     assert "misses == entries: True" in text
     assert STALE_LINE in text

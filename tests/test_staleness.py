@@ -349,3 +349,52 @@ def test_helper_below_a_cached_transformation(ip, capsys, wrapper):
         return z * 3.0
     """
     scenario(ip, capsys, defs, 'act(x @ params["w"])', edit, ["__main__.inner"])
+
+
+HELPER = "def helper(z):\n    return z * 1.0\n"
+EDITED = "def helper(z):\n    return z * 3.0\n"
+
+
+def test_an_edit_reverted_before_the_rebuild_revives_the_old_programs(ip, capsys):
+    run(ip, capsys, BASE.format(defs=HELPER, forward='helper(x @ params["w"])'))
+    run(ip, capsys, EDITED)
+    out = run(ip, capsys, "n.predict({'x': X[:2]})")
+    assert "poisoned; redefined: __main__.helper." in out and STALE_LINE in out
+    misses = nitro_ipy.cache_stats().misses
+    run(ip, capsys, HELPER)  # the same content as the original: the edit is undone
+    out = run(ip, capsys, "n.train(); again = n.predict({'x': X[:2]}); n3 = Nitro(E(lr=0.0), data=data, batch_size=4, progress=False); n3.train(); fresh = n3.predict({'x': X[:2]})")
+    assert STALE_LINE not in out and "compiled" not in out, out  # the old handle is current again
+    assert nitro_ipy.cache_stats().misses == misses  # nothing recompiled: the old programs are served
+    np.testing.assert_array_equal(ip.user_ns["again"], ip.user_ns["before"])
+    np.testing.assert_array_equal(ip.user_ns["fresh"], ip.user_ns["before"])
+    assert _cache.poisoned_entries() == []
+
+
+def test_after_cache_reset_a_live_handle_still_learns_its_programs_went_stale(ip, capsys):
+    run(ip, capsys, BASE.format(defs=HELPER, forward='helper(x @ params["w"])'))
+    run(ip, capsys, "nitro_ipy.cache_reset()")
+    run(ip, capsys, EDITED)
+    out = run(ip, capsys, "n.predict({'x': X[:2]})")
+    assert f"{STALE_LINE}: __main__.helper (grad, predict)" in out, out
+    out = run(ip, capsys, "n2 = n.rebuild(); new = n2.predict({'x': X[:2]})")
+    assert STALE_LINE not in out
+    np.testing.assert_allclose(ip.user_ns["new"], 3.0 * ip.user_ns["before"], rtol=1e-6)
+
+
+def test_a_poisoned_program_is_released_once_no_handle_holds_it(ip, capsys):
+    import gc
+    import weakref
+
+    run(ip, capsys, BASE.format(defs=HELPER, forward='helper(x @ params["w"])'))
+    grad = next(e for e in _cache.live_entries() if e.kind == "grad")
+    executable = weakref.ref(grad.call)
+    del grad
+    run(ip, capsys, EDITED)
+    run(ip, capsys, "n = n.rebuild(); n.train()")  # the old handle is gone: nothing holds its programs
+    ip.run_cell("Out.clear(); _ = __ = ___ = None")
+    gc.collect()
+    assert executable() is None  # the executable was released...
+    summaries = [e for e in _cache.poisoned_entries() if e.kind == "grad"]
+    assert [(e.call, e.closure, e.drifted) for e in summaries] == [(None, None, ("__main__.helper",))]
+    text = repr(ip.run_line_magic("nitro_stats", ""))  # ...and is still listed, with what drifted
+    assert text.splitlines()[0].endswith("| poisoned 2") and "poisoned (__main__.helper)" in text

@@ -1,0 +1,1 @@
+"""The repository's own tooling (not part of the installed package)."""
