@@ -177,6 +177,27 @@ def ambient_mesh():
     return mesh if isinstance(mesh, Mesh) and not mesh.empty else None
 
 
+def auto_axes(mesh):
+    """`mesh` with every axis in Auto mode (XLA propagates shardings, as `jax.jit` with shardings on the
+    arguments expects); `jax.make_mesh` builds Explicit axes on newer JAX, under which a matmul of a
+    batch split on `data` by a weight split on `data` is a type error rather than a gather. A mesh that
+    is already Auto, or a JAX without axis types, returns `mesh` itself."""
+    axis_type = getattr(jax.sharding, "AxisType", None)
+    types = getattr(mesh, "axis_types", None)
+    if axis_type is None or types is None or all(t == axis_type.Auto for t in types):
+        return mesh
+    return type(mesh)(mesh.devices, mesh.axis_names, axis_types=(axis_type.Auto,) * len(mesh.axis_names))
+
+
+def mesh_context(mesh):
+    """A context manager making `mesh` the current mesh: `jax.set_mesh`, else `jax.sharding.use_mesh`,
+    else (older JAX) the mesh itself."""
+    for setter in (getattr(jax, "set_mesh", None), getattr(jax.sharding, "use_mesh", None)):
+        if setter is not None:
+            return setter(mesh)
+    return mesh
+
+
 # The config option choosing the CPU backend's cross-process collectives (`"gloo"` for a multi-process run
 # on CPU: without it, a program spanning processes fails at its first all-reduce).
 CPU_COLLECTIVES_OPTION = "jax_cpu_collectives_implementation"

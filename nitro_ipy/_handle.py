@@ -20,7 +20,7 @@ from ._fields import short_repr
 from ._layout import FlatLayout, TreeLayout
 from ._programs import EVAL, GRAD, METRIC, OPT, PREDICT, program_key
 from ._report import Kind
-from ._sharding import placement
+from ._sharding import in_mesh, placement
 
 
 def _strong(x):
@@ -78,6 +78,7 @@ class Nitro:
         n._setup(e, options, carry)
         return n
 
+    @in_mesh(lambda self, e, options, carry: options["mesh"])
     def _setup(self, e, options: dict, carry: tuple | None):
         batch_size, max_epochs, accum = options["batch_size"], options["max_epochs"], options["accum"]
         for name, value in (("batch_size", batch_size), ("max_epochs", max_epochs), ("accum", accum)):
@@ -199,6 +200,7 @@ class Nitro:
             _report.emit(Kind.STALE_HANDLE, handle=self, names=_report.merge_names(stale),
                          kinds=tuple(e.kind for e in stale))
 
+    @in_mesh()
     def train(self, epochs: int | None = None) -> list[dict]:
         """Train for `epochs` (default `max_epochs`) epochs, validating after each one when a `valid`
         split exists. Returns this call's epoch rows (also appended to `n.history`)."""
@@ -225,11 +227,13 @@ class Nitro:
                 _report.emit(Kind.EPOCH, record=row)  # `record` is the EPOCH message's field name
         return rows
 
+    @in_mesh()
     def validate(self) -> dict:
         """Evaluate on the `valid` split: `{"loss": ..., <metric>: ...}`."""
         self._enter()
         return self._evaluate("valid")
 
+    @in_mesh()
     def evaluate(self, split: str = "test") -> dict:
         """Evaluate on `split`: the exact, example-weighted loss and every metric, over every example."""
         self._enter()
@@ -278,6 +282,7 @@ class Nitro:
             out[name] = float(value) if np.ndim(value) == 0 else value
         return out
 
+    @in_mesh()
     def predict(self, inputs: dict):
         """Run `forward` over `inputs` (a dict of arrays) in batches; returns the outputs as numpy."""
         self._enter()

@@ -14,13 +14,15 @@ rows of each global batch (`jax.make_array_from_process_local_data`).
 `is_main_process()` is the one rule for "this process prints, shows widgets and writes files".
 """
 
+import contextlib
+import functools
 import math
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ._compat import ambient_mesh
+from ._compat import ambient_mesh, auto_axes, mesh_context
 from ._errors import NitroTypeError, NitroValueError
 
 
@@ -40,6 +42,35 @@ def sharding_signature(sharding) -> str | None:
     devices = getattr(mesh, "devices", None)
     ids = [d.id for d in devices.flat] if devices is not None else sorted(d.id for d in sharding.device_set)
     return f"{sharding!r} on devices {ids}"
+
+
+def auto_context(mesh=None):
+    """Where the caller made an Explicit-axes mesh current (`jax.set_mesh(jax.make_mesh(...))`), the
+    Auto form of `mesh` (default: that one) as the current mesh for the block, so the handle's eager ops
+    and traces meet arrays of the mesh they are on; otherwise nothing."""
+    ambient = ambient_mesh()
+    if ambient is None or auto_axes(ambient) is ambient:
+        return contextlib.nullcontext()
+    return mesh_context(auto_axes(ambient if mesh is None else mesh))
+
+
+def in_mesh(mesh_of=None):
+    """Decorate a handle method to run under `auto_context` of the handle's mesh (`mesh_of(self, *args)`
+    picks it from the arguments, for setup, before the handle has a placement)."""
+
+    def decorate(method):
+        @functools.wraps(method)
+        def run(self, *args, **kwargs):
+            if mesh_of is not None:
+                mesh = mesh_of(self, *args, **kwargs)
+            else:
+                mesh = getattr(getattr(self, "_place", None), "mesh", None)
+            with auto_context(mesh):
+                return method(self, *args, **kwargs)
+
+        return run
+
+    return decorate
 
 
 def placement(mesh=None, data_axis: str = "data", param_sharding=None):
@@ -128,6 +159,7 @@ class Sharded:
                 f"`param_sharding` must be a function `(path, shape) -> PartitionSpec | None`; got "
                 f"{type(param_sharding).__qualname__}."
             )
+        mesh = auto_axes(mesh)  # shardings on the arguments, propagated by XLA: `jax.make_mesh`'s too
         self.mesh, self.data_axis, self.rule = mesh, data_axis, param_sharding
         self.data_size = int(mesh.shape[data_axis])
         self.replicated = NamedSharding(mesh, PartitionSpec())

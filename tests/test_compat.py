@@ -88,3 +88,12 @@ def test_ambient_mesh_is_the_one_set_mesh_made_current():
 
 def test_cpu_collectives_option_is_a_config_option():
     assert _compat.CPU_COLLECTIVES_OPTION in jax.config.values  # the two-process test sets it to "gloo"
+
+
+def test_auto_axes_turns_explicit_axes_auto():
+    mesh = jax.make_mesh((1,), ("data",))
+    auto = _compat.auto_axes(mesh)
+    assert auto.axis_names == ("data",) and list(auto.devices.flat) == list(mesh.devices.flat)
+    if hasattr(jax.sharding, "AxisType"):
+        assert auto.axis_types == (jax.sharding.AxisType.Auto,)
+        assert _compat.auto_axes(auto) is auto

@@ -339,3 +339,17 @@ def test_two_processes_train_like_one(tmp_path, monkeypatch):
     assert sum(ln.startswith("nitro_ipy: epoch") for ln in printed[0]) == 2
     assert printed[1] == [] and "epoch 1" not in outs[1][1]
 
+
+
+def test_scale_page_runs_on_four_devices(tmp_path):
+    """docs/scale.md's blocks (test_docs runs them on one device) on 4 devices, where they shard."""
+    root = __import__("pathlib").Path(__file__).resolve().parent
+    code = PRELUDE.replace("import exp\n", "") + textwrap.dedent(f"""
+    import sys
+    sys.path.insert(0, {str(root)!r})
+    from test_docs import ROOT, run_page
+    ran = run_page(ROOT / "docs" / "scale.md")
+    print(json.dumps({{"ran": ran, "devices": jax.device_count()}}))
+    """)
+    out = json_in_child(code, tmp_path, "0", timeout=CHILD_TIMEOUT)
+    assert out == {"ran": 4, "devices": 4}  # the page's asserts ran on 4 devices: w1 in column slices of 4
