@@ -26,9 +26,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from nitro_ipy._compat import PATIENT_CPU_COLLECTIVES_FLAG, with_xla_flag  # noqa: E402
+
+# Before the CPU backend starts: 4 simulated devices, whose all-reduces wait out a loaded machine
+# rather than abort the process.
+os.environ["XLA_FLAGS"] = with_xla_flag(os.environ.get("XLA_FLAGS"), PATIENT_CPU_COLLECTIVES_FLAG)
 import jax  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 4)  # before the CPU backend starts
+jax.config.update("jax_num_cpu_devices", 4)
 
 import _harness as H  # noqa: E402
 import _models as M  # noqa: E402
