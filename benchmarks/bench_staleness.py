@@ -143,7 +143,7 @@ def per_call_ns(fn, calls: int) -> float:
 
 
 def bench_entry(cfg) -> dict:
-    nitro_ipy.cache_reset()
+    reset()
     cells = Cells(CELLS + "_handle")
     ns = cells.run(EXPERIMENT_CELL)
     rng = np.random.default_rng(0)
@@ -172,7 +172,7 @@ def bench_entry(cfg) -> dict:
             enter.append(per_call_ns(n._enter, cfg["enter_calls"]))
     assert _cache.scanned_world() == scanned, "a scan ran although the world did not move"
     assert not msgs.items, msgs.kinds()
-    nitro_ipy.cache_reset()
+    reset()
     sys.modules.pop(cells.module.__name__, None)
     return {
         "ensure_fresh_ns": statistics.median(fresh),
@@ -233,16 +233,29 @@ def solo_source(k: int, n_helpers: int = SOLO_HELPERS) -> str:
     return "\n".join(lines) + "\n"
 
 
+# The benchmark's programs, held as handles hold theirs: the cache releases a poisoned program nobody
+# holds, and `unpoison` revives these after each drift.
+HELD: list = []
+
+
+def reset() -> None:
+    """An empty cache, holding nothing: the programs of an earlier scenario are not scanned again."""
+    HELD.clear()
+    nitro_ipy.cache_reset()
+
+
 def cache_program(owner: str, fn, x, compile_: bool):
     """Put a recorded program in the cache: `compile_program` (full run), or in a quick run the very same
     recorded trace (`compile_program` records around `.trace` only) stored without XLA lowering/compile."""
     key = _cache.Key("eval", owner, (), _cache.arg_signature((x,)), "", ())
     if compile_:
-        return _compile.compile_program(key, fn, (x,), record=_closure.record)
-    with _closure.record() as recorder:
-        recorder.traced(jax.jit(fn).trace(x).jaxpr)
-    entry = _cache.Entry(key, None, 0.0, 0.0, recorder.closure)
-    _cache.store(entry)
+        entry = _compile.compile_program(key, fn, (x,), record=_closure.record)
+    else:
+        with _closure.record() as recorder:
+            recorder.traced(jax.jit(fn).trace(x).jaxpr)
+        entry = _cache.Entry(key, None, 0.0, 0.0, recorder.closure)
+        _cache.store(entry)
+    HELD.append(entry)
     return entry
 
 
@@ -280,8 +293,8 @@ def build_solo(directory: str, x, compile_: bool) -> dict:
 def closure_stats() -> dict:
     closures = [e.closure for e in _cache.live_entries()]
     names = [len(c.names()) for c in closures]
-    checks = [len(c._checks) for c in closures]
-    distinct = len({key for c in closures for key, *_ in c._checks})
+    checks = [len(c.checks) for c in closures]
+    distinct = len({key for c in closures for key, *_ in c.checks})
     return {
         "programs": len(closures),
         "deps_per_program_mean": statistics.mean(names),
@@ -306,9 +319,9 @@ def scan_breakdown(reps: int) -> dict:
     closures = [e.closure for e in _cache.live_entries()]
     kinds = {}
     for c in closures:
-        for key, checker, args, _name in c._checks:
-            kind = checker.__name__.removeprefix("_check_")
-            if checker is _closure._check_value:
+        for key, checker, args, _name in c.checks:
+            kind = checker.__name__.removeprefix("check_")
+            if checker is _closure.check_value:
                 kind += ":" + type(args[2].get(args[4])).__name__
             kinds.setdefault(kind, {})[key] = (checker, args)
 
@@ -333,7 +346,7 @@ def scan_breakdown(reps: int) -> dict:
 
     out = {kind: {"checks": len(checks), "ms": timed(lambda checks=checks: run_checks(checks))}
            for kind, checks in kinds.items()}
-    out["disk_edits"] = {"checks": sum(len(c._files) for c in closures), "ms": timed(disk)}
+    out["disk_edits"] = {"checks": sum(len(c.file_checks) for c in closures), "ms": timed(disk)}
     return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
 
 
@@ -350,7 +363,7 @@ def redefine(target: dict, k: int):
 
 
 def scan_scenario(label: str, build, directory: str, cfg) -> dict:
-    nitro_ipy.cache_reset()
+    reset()
     x = jnp.ones((8,), jnp.float32)
     with Messages() as msgs:
         t0 = time.perf_counter()
@@ -404,7 +417,7 @@ def scan_scenario(label: str, build, directory: str, cfg) -> dict:
             _cache.ensure_fresh()  # restored: clean again
         assert not _cache.poisoned_entries() and not msgs.items, msgs.kinds()
 
-    nitro_ipy.cache_reset()
+    reset()
     for name in target["modules"]:
         sys.modules.pop(name, None)
     times.sort()
@@ -503,7 +516,7 @@ def first_call(recorded: bool, args) -> tuple:
 
 
 def bench_record(cfg) -> dict:
-    nitro_ipy.cache_reset()
+    reset()
     args = first_call_args()
     mode = H.recorder_mode()
     with Messages():
@@ -513,7 +526,7 @@ def bench_record(cfg) -> dict:
         # ABBA: drift on a shared machine hits both sides alike
         plain, rec = H.interleaved(cfg["record_pairs"], lambda: first_call(False, args),
                                    lambda: first_call(True, args))
-    nitro_ipy.cache_reset()
+    reset()
 
     def med(rows, j):
         return statistics.median(r[j] for r in rows)

@@ -7,6 +7,7 @@ from ._cache import CacheStats as CacheStats
 from ._cache import cache_reset as cache_reset
 from ._cache import cache_stats as cache_stats
 from ._errors import GraphConstHashError as GraphConstHashError
+from ._errors import HandleBusyError as HandleBusyError
 from ._errors import HostFieldAccessError as HostFieldAccessError
 from ._errors import NitroError as NitroError
 from ._errors import NitroTypeError as NitroTypeError
@@ -30,6 +31,9 @@ from ._handle import predict as predict
 from ._handle import train as train
 from ._handle import validate as validate
 from ._hooks import metrics as metrics
+from ._runs import History as History
+from ._runs import Run as Run
+from ._runs import TrainingInterrupted as TrainingInterrupted
 from ._world import bump_world as bump_world
 from ._world import world as world
 
@@ -40,6 +44,8 @@ __all__ = [
     "Device",
     "GraphConst",
     "GraphConstHashError",
+    "HandleBusyError",
+    "History",
     "Host",
     "HostFieldAccessError",
     "Nitro",
@@ -48,6 +54,8 @@ __all__ = [
     "NitroValueError",
     "NitroWarning",
     "NonFiniteLossError",
+    "Run",
+    "TrainingInterrupted",
     "Unfingerprintable",
     "assert_graphconst_hashable",
     "bump_world",

@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _memo, _report
 from ._compat import evict_traces
-from ._fingerprint import is_library_file
+from ._origin import is_user_file
 from ._report import Kind
 from ._sharding import sharding_signature
 from ._world import world
@@ -198,8 +198,10 @@ def generation() -> int:
 
 # ---------------------------------------------------------------- events, for front ends
 # "compile" (entry): a program was stored; "reset" (): `cache_reset()` ran; "progress" (): a training
-# handle reached one of its periodic sync points (about every 0.25 s, never per step).
-EVENTS = ("compile", "reset", "progress")
+# handle reached one of its periodic sync points (about every 0.25 s, never per step); "run" (run): a
+# background run (`_runs.Run`) started or ended (`run.done` tells which), published from the thread
+# that started or ran it, so a subscriber only sets flags.
+EVENTS = ("compile", "reset", "progress", "run")
 _subscribers: dict[str, list[Callable]] = {event: [] for event in EVENTS}
 
 
@@ -340,10 +342,10 @@ def revive(entry: Entry) -> None:
     handles holding it stop being stale. A live entry under the same key stays: `entry` is then only
     current again for the handles that hold it."""
     with _lock:
-        if not entry.poisoned:
-            return
-        entry.poisoned, entry.drifted = False, ()
         kept = [p for p in _state.poisoned if p.ref() is not entry]
+        if not entry.poisoned or len(kept) == len(_state.poisoned):
+            return  # not poisoned, or a released entry's summary: nothing runs it any more
+        entry.poisoned, entry.drifted = False, ()
         _state.poisoned.clear()
         _state.poisoned.extend(kept)
         _state.entries.setdefault(entry.key, entry)
@@ -371,7 +373,7 @@ def _wraps_user_code(fn) -> bool:
     try:
         for _ in range(16):
             code = getattr(fn, "__code__", None)
-            if code is not None and not is_library_file(code.co_filename):
+            if code is not None and is_user_file(code.co_filename):
                 return True
             fn = getattr(fn, "__wrapped__", None)
             if fn is None:

@@ -214,3 +214,9 @@ def with_xla_flag(flags: str | None, flag: str) -> str:
     """`flags` (an `XLA_FLAGS` value, maybe None) with `flag` appended once."""
     parts = (flags or "").split()
     return " ".join(parts if flag in parts else parts + [flag])
+
+
+def is_concrete_array(v) -> bool:
+    """True for a `jax.Array` holding data, not a tracer met during a trace (`jax.core.Tracer`, a class
+    JAX keeps under `jax.core`). Identity snapshots hold only concrete arrays; a tracer has none."""
+    return isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer)

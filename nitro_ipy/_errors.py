@@ -27,3 +27,7 @@ class NonFiniteLossError(NitroError, FloatingPointError):
 
 class NitroWarning(UserWarning):
     """Base class of every warning nitro_ipy emits."""
+
+
+class HandleBusyError(NitroError, RuntimeError):
+    """An entry point was called on a handle that is training in the background."""

@@ -18,6 +18,7 @@ import numpy as np
 from ._compat import is_custom_derivative
 from ._errors import NitroTypeError
 from ._memo import Memo
+from ._origin import is_user_module
 
 
 class Unfingerprintable(NitroTypeError):
@@ -33,31 +34,12 @@ def _qualname(obj) -> str:
     return f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
 
 
-# Where code lives decides how a class is fingerprinted: a user's class by its methods' code, a library's
-# by its name (its code only changes with a package upgrade, which restarts the kernel anyway).
-_LIBRARY_PREFIXES = tuple(
-    {p for p in (sys.prefix, sys.base_prefix, sys.exec_prefix) if p}
-    | {p for p in sys.path if p.endswith(("site-packages", "dist-packages"))}
-)
-
-
-def is_library_file(filename: str | None) -> bool:
-    """True for files of the standard library and installed packages (not the user's own code)."""
-    if not filename:
-        return True
-    if filename.startswith("<"):
-        # "<frozen ...>", "<string>"; IPython cells are "<ipython-input-...>" and count as user code.
-        return not filename.startswith("<ipython-input")
-    return filename.startswith(_LIBRARY_PREFIXES) and "site-packages/nitro_ipy" not in filename
-
-
 class _Hasher:
-    __slots__ = ("h", "active", "strict", "callables")
+    __slots__ = ("h", "active", "callables")
 
-    def __init__(self, strict: bool):
+    def __init__(self):
         self.h = hashlib.blake2b(digest_size=16)
         self.active: set[int] = set()  # ids on the current path: recursion through closures/containers
-        self.strict = strict
         # Callable wrappers met on the way (partials, jit wrappers): content-fingerprinted here, but
         # `copy.deepcopy` would break or re-identify them, so the hashability check keeps them as they are.
         self.callables: list = []
@@ -217,7 +199,7 @@ class _Hasher:
             raise Unfingerprintable(path, f"{t.__qualname__} {how}")
 
     def sub(self, v, path) -> str:
-        h = _Hasher(self.strict)
+        h = _Hasher()
         h.active = self.active
         h.callables = self.callables
         h.value(v, path)
@@ -245,8 +227,9 @@ class _Hasher:
     def cls(self, c, path):
         self.tag(b"class")
         self.text(_qualname(c))
-        module = sys.modules.get(c.__module__)
-        if c.__module__ != "__main__" and is_library_file(getattr(module, "__file__", None)):
+        # A user's class by its methods' code, a library's by its name (its code only changes with a
+        # package upgrade, which restarts the kernel anyway).
+        if not is_user_module(c.__module__):
             return
         for name, attr in sorted(vars(c).items()):
             if isinstance(attr, (staticmethod, classmethod)):
@@ -314,7 +297,7 @@ def code_fingerprint(code: types.CodeType) -> str:
 
 def _const_fingerprint(const) -> str:
     # Constants are immutable literals; frozensets and tuples may nest code objects in theory only.
-    hasher = _Hasher(strict=True)
+    hasher = _Hasher()
     hasher.value(const, "<const>")
     return hasher.h.hexdigest()
 
@@ -329,19 +312,9 @@ def fingerprint(value, path: str = "value") -> str:
 
 def fingerprint_with_callables(value, path: str = "value") -> tuple[str, list]:
     """`fingerprint(value)` and the callable wrappers (partials, jit wrappers) met inside it."""
-    hasher = _Hasher(strict=True)
+    hasher = _Hasher()
     hasher.value(value, path)
     return hasher.h.hexdigest(), hasher.callables
-
-
-def try_fingerprint(value) -> str | None:
-    """`fingerprint(value)`, or `None` where the value has no content fingerprint (it is then untracked)."""
-    try:
-        return fingerprint(value)
-    except Unfingerprintable:
-        return None
-    except Exception:  # a user's object whose attributes raise while we look: untracked, not a crash
-        return None
 
 
 def function_fingerprint(fn) -> str:

@@ -6,13 +6,14 @@ builders (`_programs.py`); the epoch loop lives in `_loop.py`. The handle owns t
 
 Internal names other code relies on (benchmarks/profile_handle.py, bench_staleness.py): `_params`,
 `_state`, `_dev` (the Device values the programs get), `_layout`, `_programs` (key -> Entry this handle
-runs), `_enter()`, and `_view`, `_forward`, `_loss`, `_optimizer`, which forward to the binding.
+runs), `_enter()`, `_run` (the background run training it, or None), and `_view`, `_forward`, `_loss`,
+`_optimizer`, which forward to the binding.
 """
 
 import jax
 import numpy as np
 
-from . import _cache, _closure, _compile, _loop, _report
+from . import _cache, _closure, _compile, _loop, _report, _runs
 from ._binding import bind
 from ._data import check_splits, eval_batches, split_len, steps_per_epoch
 from ._errors import NitroTypeError, NitroValueError
@@ -46,6 +47,8 @@ class Nitro:
       one device); each batch is split along its `data_axis` (default `"data"`), which `batch_size` must
       divide. `param_sharding`: `(path, shape) -> PartitionSpec | None` to shard large parameters
       (needs `flat_params=False`); params and optimizer state are replicated otherwise. See docs/scale.md.
+    - `stop_when`: `(metric, "min" | "max", patience)`: early stopping on an epoch row's metric, e.g.
+      `("valid_loss", "min", 3)`; the row where it fires says so in `row["stopped"]`.
     """
 
     def __init__(
@@ -63,11 +66,13 @@ class Nitro:
         mesh=None,
         data_axis: str = "data",
         param_sharding=None,
+        stop_when: tuple | None = None,
     ):
         options = dict(
             data=data, batch_size=batch_size, max_epochs=max_epochs, accum=accum,
             schedules=schedules, seed=seed, progress=progress, flat_params=flat_params,
             mesh=mesh, data_axis=data_axis, param_sharding=param_sharding,
+            stop_when=stop_when,
         )
         self._setup(e, options, carry=None)
 
@@ -118,7 +123,9 @@ class Nitro:
         self._programs: dict = {}  # key -> Entry: what this handle runs (kept even if poisoned)
         self._kinds_seen: dict = {}  # kind -> key of the first program of that kind
         self._loops_reported: set = set()
-        self.history: list[dict] = []
+        self.history: list[dict] = _runs.History()  # a list of epoch rows, with `.table()`
+        self._stop_when = _runs.early_stop(options.get("stop_when"), b.splits)
+        self._run = None  # the background run training this handle, if any (`_runs.check_idle`)
 
     # ---------------------------------------------------------------- state
     @property
@@ -134,6 +141,7 @@ class Nitro:
     def rebuild(self) -> "Nitro":
         """A new handle on the same experiment with the current state carried over and hooks re-bound
         through the class as it is now: the way to pick up an edit."""
+        _runs.check_idle(self, "rebuild")
         return Nitro._carrying(self.experiment, self._options, (self._params, self._state, self.step, self.epoch))
 
     def __repr__(self):
@@ -193,18 +201,23 @@ class Nitro:
         return self._resolve(OPT, (self._params, flat_grads, self._state, self._dev))
 
     # ---------------------------------------------------------------- entry points
-    def _enter(self):
+    def _enter(self, what: str = "this entry point"):
+        _runs.check_idle(self, what)
         _cache.ensure_fresh()
         stale = [e for e in self._programs.values() if e.poisoned]
         if stale:
             _report.emit(Kind.STALE_HANDLE, handle=self, names=_report.merge_names(stale),
                          kinds=tuple(e.kind for e in stale))
 
-    @in_mesh()
-    def train(self, epochs: int | None = None) -> list[dict]:
+    def train(self, epochs: int | None = None, *, background: bool = False):
         """Train for `epochs` (default `max_epochs`) epochs, validating after each one when a `valid`
-        split exists. Returns this call's epoch rows (also appended to `n.history`)."""
-        self._enter()
+        split exists. Returns this call's epoch rows (also appended to `n.history`).
+
+        With `background=True`, returns a `Run` at once and trains in a worker thread: `run.stop()`,
+        `run.wait()` (see `_runs.py`). Ctrl-C in the foreground raises `TrainingInterrupted`, one line,
+        with the handle usable.
+        """
+        self._enter("train")
         b = self._binding
         b.need_loss("training")
         split = b.split("train")
@@ -215,28 +228,55 @@ class Nitro:
                 f"(batch_size={self.batch_size} x accum={self.accum}); lower `batch_size`."
             )
         fields = sorted(set(b.routes["forward"].pick(split)) | set(b.routes["loss"].pick(split)))
-        rows = []
-        for _ in range(self.max_epochs if epochs is None else epochs):
-            row = {"epoch": self.epoch + 1, "loss": _loop.train_epoch(self, split, fields, steps)}
+        epochs = self.max_epochs if epochs is None else epochs
+        control = _runs.RunControl(self, steps, quiet=background)
+        work = lambda: self._train_epochs(control, split, fields, steps, epochs)  # noqa: E731
+        if background:
+            return _runs.start(self, control, work, epochs)
+        return _runs.foreground(control, work)
+
+    @in_mesh()  # here, not on `train`: a background run trains in its own thread
+    def _train_epochs(self, control, split: dict, fields, steps: int, epochs: int) -> list[dict]:
+        b = self._binding
+        rows = control.rows
+        stopper = self._stop_when.fresh() if self._stop_when is not None else None
+        for _ in range(epochs):
+            if control.pending:  # a stop asked for between epochs (during validation)
+                raise KeyboardInterrupt
+            control.begin_epoch()
+            row = {"epoch": self.epoch + 1, "loss": _loop.train_epoch(self, split, fields, steps, control)}
             self.epoch += 1
-            if "valid" in b.splits:
-                row.update({f"valid_{k}": v for k, v in self._evaluate("valid").items()})
+            # In the history before validation, so an interrupt there keeps the epoch's row.
             self.history.append(row)
             rows.append(row)
+            if "valid" in b.splits:
+                control.validating = True
+                row.update({f"valid_{k}": v for k, v in self._evaluate("valid").items()})
+            if stopper is not None and (reason := stopper.update(row)):
+                row["stopped"] = reason
             if self.progress:
                 _report.emit(Kind.EPOCH, record=row)  # `record` is the EPOCH message's field name
-        return rows
+            if row.get("stopped"):
+                break
+        return list(rows)
+
+    def set(self, **values) -> None:
+        """Set Device fields of this live handle with no recompile: `n.set(lr=1e-4)`. Each value is
+        coerced to the field's dtype and shape and used from the next step on (also while a background
+        run trains). A Host field is set on `n.experiment` (compiled code never reads it). A GraphConst
+        field is refused: a new value means new programs (a new experiment, or an edit and `rebuild`)."""
+        _runs.set_fields(self, values)
 
     @in_mesh()
     def validate(self) -> dict:
         """Evaluate on the `valid` split: `{"loss": ..., <metric>: ...}`."""
-        self._enter()
+        self._enter("validate")
         return self._evaluate("valid")
 
     @in_mesh()
     def evaluate(self, split: str = "test") -> dict:
         """Evaluate on `split`: the exact, example-weighted loss and every metric, over every example."""
-        self._enter()
+        self._enter("evaluate")
         return self._evaluate(split)
 
     def _evaluate(self, split_name: str) -> dict:
@@ -285,7 +325,7 @@ class Nitro:
     @in_mesh()
     def predict(self, inputs: dict):
         """Run `forward` over `inputs` (a dict of arrays) in batches; returns the outputs as numpy."""
-        self._enter()
+        self._enter("predict")
         split = check_splits({"inputs": inputs})["inputs"]
         route = self._binding.routes["forward"]
         names = route.pick(split)
@@ -328,9 +368,9 @@ def _accumulate(sums: dict, hook_name: str, result):
 
 
 # Function forms, for those who prefer them.
-def train(n: Nitro, epochs: int | None = None) -> list[dict]:
-    """`n.train(epochs)`."""
-    return n.train(epochs)
+def train(n: Nitro, epochs: int | None = None, *, background: bool = False):
+    """`n.train(epochs, background=background)`."""
+    return n.train(epochs, background=background)
 
 
 def validate(n: Nitro) -> dict:

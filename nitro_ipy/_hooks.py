@@ -1,10 +1,10 @@
 """Binding an experiment's hooks through its live class, and reading which batch fields each wants."""
 
 import inspect
-import sys
 import types
 
 from ._errors import NitroTypeError
+from ._origin import class_namespace
 
 _REQUIRED = {
     "init": "def init(self, rng): return params",
@@ -32,24 +32,12 @@ def metrics(residency: str = "host"):
     return mark
 
 
-def _namespace(cls) -> dict | None:
-    """Where `cls` was defined. For `__main__`, the globals its methods run in: an IPython shell's user
-    namespace need not be `sys.modules["__main__"]` (a test runner or an embedding host owns that)."""
-    if cls.__module__ == "__main__":
-        for attr in vars(cls).values():
-            namespace = getattr(attr, "__globals__", None)
-            if namespace is not None:
-                return namespace
-    module = sys.modules.get(cls.__module__)
-    return vars(module) if module is not None else None
-
-
 def live_class(cls):
     """The class as it is *now* in its namespace (module + qualified name), or `cls` if it is gone."""
     parts = cls.__qualname__.split(".")
     if "<locals>" in parts:
         return cls
-    obj = (_namespace(cls) or {}).get(parts[0])
+    obj = (class_namespace(cls) or {}).get(parts[0])
     for part in parts[1:]:
         obj = getattr(obj, part, None)
     return obj if isinstance(obj, type) else cls

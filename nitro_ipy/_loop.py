@@ -29,20 +29,28 @@ class InterruptGate:
     """Holds Ctrl-C while `defer` is True, until the step in flight has stored its results, so an
     interrupt never leaves the handle with donated-away buffers. Outside the gate it raises at once.
 
-    A held Ctrl-C sets `pending`; the loop raises `KeyboardInterrupt` at its next check.
+    A held Ctrl-C sets `pending`; the loop raises `KeyboardInterrupt` at its next check (a background
+    run's `stop()` sets it too: `_runs.RunControl`). `quiet` turns the progress bar off (a worker thread
+    never draws one).
     """
 
-    __slots__ = ("defer", "pending")
+    __slots__ = ("defer", "pending", "quiet")
 
     def __init__(self):
         self.defer = False
         self.pending = False
+        self.quiet = False
 
     def _on_sigint(self, signum, frame):
         if self.defer:
             self.pending = True
         else:
             raise KeyboardInterrupt
+
+    def cuts_epoch(self) -> bool:
+        """Whether a request pending after the epoch's last step ends the call before validation (a held
+        Ctrl-C does; a run's stop lets the finished epoch count)."""
+        return True
 
     @contextlib.contextmanager
     def installed(self):
@@ -57,13 +65,14 @@ class InterruptGate:
             signal.signal(signal.SIGINT, previous)
 
 
-def train_epoch(n, split: dict, fields, steps: int) -> float:
+def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None = None) -> float:
     """One epoch of training on handle `n`.
 
     **Arguments:**
     - `n`: the handle; its parameters, optimizer state and step advance in place.
     - `split`: the train split; `fields`: the batch fields the programs take.
     - `steps`: optimizer steps in the epoch (the progress bar's total).
+    - `gate`: the train call's control (Ctrl-C, a stop request); default: a fresh `InterruptGate`.
 
     **Returns:** the epoch's mean training loss. Raises `NonFiniteLossError` on a NaN or infinite loss.
     """
@@ -73,7 +82,7 @@ def train_epoch(n, split: dict, fields, steps: int) -> float:
     binding = n._binding
     schedules, apply_schedules = binding.schedules, place.schedules(binding.apply_schedules)
     dev = n._dev  # schedules set its values in place, so the programs see them through this one dict
-    gate = InterruptGate()
+    gate = InterruptGate() if gate is None else gate
     losses, total, n_loss = [], 0.0, 0
     reused, grad, opt = 0, None, None  # steady-state steps that reused the resolved programs
     try:
@@ -88,7 +97,7 @@ def train_epoch(n, split: dict, fields, steps: int) -> float:
             n.step += 1
             losses.append(loss)
             gate.defer = False
-            if n.progress and is_main_process():
+            if n.progress and not gate.quiet and is_main_process():
                 bar = progress_bar(steps, f"epoch {n.epoch + 1}")
                 bar.update(1)
             grad_call, opt_call = grad.call, opt.call
@@ -119,7 +128,7 @@ def train_epoch(n, split: dict, fields, steps: int) -> float:
                     reused = 0
                     _cache.publish("progress")  # the live panel, never per step
                     next_sync = perf_counter() + _SYNC_SECONDS
-            if gate.pending:
+            if gate.pending and gate.cuts_epoch():
                 raise KeyboardInterrupt
     finally:
         count_reuse(grad, opt, reused)

@@ -7,8 +7,10 @@ from (front ends key on the kind and read the data, never parse the text). The c
 place. Front ends install a sink (`set_sink`).
 """
 
+import contextlib
 import enum
 import sys
+import threading
 from typing import Callable, NamedTuple
 
 from ._sharding import is_main_process
@@ -24,6 +26,7 @@ class Kind(str, enum.Enum):
     RECOMPILE_LOOP = "recompile-loop"  # a program kind compiled again after step 1: program, why
     EPOCH = "epoch"  # an epoch ended: record
     LARGE_CONSTANT = "large-constant"  # a program bakes in a large array: program, nbytes, shape, dtype, origin
+    MIXED_CODE = "mixed-code"  # a background run compiled a program after its code moved: program, names, others
 
     def __str__(self):
         return self.value
@@ -115,7 +118,17 @@ def _epoch_text(record: dict) -> str:
     for k, v in record.items():
         if k != "epoch" and isinstance(v, float):
             parts.append(f"{k} {v:.4g}")
+    if record.get("stopped"):  # early stopping fired at this epoch (`_runs.EarlyStop`)
+        parts.append(f"stopped: {record['stopped']}")
     return "nitro_ipy: " + " | ".join(parts)
+
+
+def _mixed_code_text(program: str, names: tuple, others: tuple) -> str:
+    return (
+        f"nitro_ipy: this run compiled its `{program}` program after {', '.join(names)} changed: `{program}` "
+        f"runs the new code, {', '.join(f'`{o}`' for o in others)} the code the run started with. To train "
+        f"and validate one version: `run.stop(); run.wait(); n = n.rebuild()`, then train again."
+    )
 
 
 TEXT: dict[Kind, Callable[..., str]] = {
@@ -126,6 +139,7 @@ TEXT: dict[Kind, Callable[..., str]] = {
     Kind.RECOMPILE_LOOP: _recompile_loop_text,
     Kind.EPOCH: _epoch_text,
     Kind.LARGE_CONSTANT: _large_constant_text,
+    Kind.MIXED_CODE: _mixed_code_text,
 }
 
 
@@ -140,6 +154,9 @@ def print_sink(msg: Message) -> None:
 
 
 _sink: Callable[[Message], None] = print_sink
+# A thread's own sink, over the process-wide one: a background run collects its messages here, so its
+# worker thread never prints into whichever cell runs now, nor touches a widget (`_runs.py`).
+_local = threading.local()
 
 
 def emit(kind: Kind, **data) -> Message:
@@ -149,11 +166,23 @@ def emit(kind: Kind, **data) -> Message:
     msg = message(kind, **data)
     if not is_main_process():
         return msg
+    target = getattr(_local, "sink", None) or _sink
     try:
-        _sink(msg)
+        target(msg)
     except Exception:
         print_sink(msg)
     return msg
+
+
+@contextlib.contextmanager
+def thread_sink(fn: Callable[[Message], None]):
+    """Send the messages this thread emits inside the block to `fn` instead of the current sink."""
+    previous = getattr(_local, "sink", None)
+    _local.sink = fn
+    try:
+        yield fn
+    finally:
+        _local.sink = previous
 
 
 def sink() -> Callable[[Message], None]:

@@ -160,7 +160,7 @@ def test_without_usable_tracebacks_recording_hooks_the_interpreter(user_module, 
         pytest.skip("only the traceback mode falls back")
     from nitro_ipy import _closure
 
-    monkeypatch.setattr(_closure, "_tracebacks_usable", lambda: False)
+    monkeypatch.setattr(_closure._probes, "_tracebacks_usable", lambda: False)
     m = user_module(BASE)
     rec = recorded(m.top, X)
     assert rec._mode == "profile"
@@ -695,3 +695,68 @@ def test_watcher_debounces_a_burst_into_one_bump():
     assert _wait_for(lambda: _world.world() > w0)
     time.sleep(3 * _watch.DEBOUNCE_S)
     assert _world.world() == w0 + 1
+
+
+MEMO_HOLDERS = """
+import jax.numpy as jnp
+import numpy as np
+
+TABLE = np.arange(3.0)
+
+
+class Scale:
+    factor = 2.0
+
+    def apply(self, x):
+        return x * self.factor
+
+
+def helper(x):
+    return x + jnp.asarray(TABLE)
+
+
+def top(x):
+    return Scale().apply(helper(x))
+"""
+
+
+def _held_by_memos(user_ns: dict) -> set[int]:
+    """Ids of every object nitro_ipy's process-wide state reaches: the registered memos and every
+    module-level value of its modules that is state (not a function, class or module). Weak references are
+    not followed, nor library modules' globals (a clear function's), but the user's own are."""
+    import gc
+
+    from nitro_ipy import _memo
+
+    library = {id(vars(m)) for m in list(sys.modules.values()) if isinstance(getattr(m, "__dict__", None), dict)}
+    library.discard(id(user_ns))
+    state = [
+        value
+        for name, module in list(sys.modules.items())
+        if name.startswith("nitro_ipy.")
+        for value in list(vars(module).values())
+        if not isinstance(value, (types.ModuleType, types.FunctionType, type))
+    ]
+    seen, stack = set(), [*_memo.memos(), *state]
+    while stack and len(seen) < 500_000:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, types.ModuleType) or id(obj) in library:
+            continue
+        seen.add(id(obj))
+        stack.extend(gc.get_referents(obj))
+    return seen
+
+
+def test_cache_reset_leaves_no_memo_holding_user_objects(user_module):
+    """`cache_reset()` is the escape hatch: afterwards no memo of the closure code keeps the user's
+    functions, classes, arrays or code alive."""
+    import nitro_ipy
+
+    m = user_module(MEMO_HOLDERS)
+    closure = lower(m.top, X)
+    assert mine(closure.names(), m) == ["Scale", "Scale.apply", "TABLE", "helper", "jnp", "top"]
+    user = [m.helper, m.Scale, m.TABLE, m.helper.__code__, m.Scale.apply.__code__]
+    assert id(m.helper.__code__) in _held_by_memos(vars(m))  # the walk does see what a memo holds
+    nitro_ipy.cache_reset()
+    held = _held_by_memos(vars(m))
+    assert [obj for obj in user if id(obj) in held] == []

@@ -104,3 +104,16 @@ def test_xla_flag_is_appended_once():
     assert _compat.with_xla_flag(None, flag) == flag
     assert _compat.with_xla_flag("--a=1", flag) == f"--a=1 {flag}"
     assert _compat.with_xla_flag(f"--a=1 {flag}", flag) == f"--a=1 {flag}"
+
+
+def test_concrete_arrays_are_told_from_tracers():
+    seen = []
+
+    def fn(x):
+        seen.append(_compat.is_concrete_array(x))
+        return x
+
+    jax.jit(fn).trace(np.ones(2, np.float32))
+    assert seen == [False]
+    assert _compat.is_concrete_array(jax.numpy.ones(2))
+    assert not _compat.is_concrete_array(np.ones(2))

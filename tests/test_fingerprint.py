@@ -14,7 +14,7 @@ import pytest
 from _modules import import_source, json_in_child
 
 from nitro_ipy import NitroTypeError, Unfingerprintable, fingerprint
-from nitro_ipy._fingerprint import code_fingerprint, try_fingerprint
+from nitro_ipy._fingerprint import code_fingerprint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,11 +370,6 @@ def test_object_with_custom_hash_has_no_content_fingerprint():
     with pytest.raises(Unfingerprintable) as info:
         fingerprint(Hashy())
     assert info.value.what == f"{Hashy.__qualname__} has no content fingerprint"
-
-
-def test_try_fingerprint_returns_none_instead_of_raising():
-    assert try_fingerprint(Tokenizer()) is None
-    assert try_fingerprint(3) == fingerprint(3)
 
 
 def test_tracer_is_refused():

@@ -129,12 +129,18 @@ def test_data_parallel_matches_one_device_with_the_same_counts(tmp_path):
     before = nitro_ipy.cache_stats()
     _, scheduled = run(mesh=mesh, schedules={"lr": lambda step: 1e-2})
     scheduled_misses = nitro_ipy.cache_stats().misses - before.misses
+    # `n.set` on a live mesh handle replicates the new value: the same keys.
+    before = nitro_ipy.cache_stats()
+    n.set(lr=5e-3)
+    n.train(1)
+    n.validate()
+    set_misses = nitro_ipy.cache_stats().misses - before.misses
     # accum=2 stacks micro-batches: (2, 32, ...) split along the second axis.
     _, one_acc = run(accum=2)
     _, many_acc = run(accum=2, mesh=mesh)
     print(json.dumps({
         "one": one, "many": many, "one_acc": one_acc, "many_acc": many_acc, "scheduled": scheduled,
-        "scheduled_misses": scheduled_misses,
+        "scheduled_misses": scheduled_misses, "set_misses": set_misses,
         "param_specs": [str(a.sharding.spec) for a in jax.tree.leaves(n.params)],
         "opt_specs": sorted({str(a.sharding.spec) for a in jax.tree.leaves(opt_state_of(n))}),
         "batch_specs": [str(s) for s in batch_specs],
@@ -147,6 +153,7 @@ def test_data_parallel_matches_one_device_with_the_same_counts(tmp_path):
     assert_runs_agree(out["one_acc"], out["many_acc"])
     assert_runs_agree(out["one"], out["scheduled"])
     assert out["scheduled_misses"] == 0  # every program, predict included, hits the mesh run's
+    assert out["set_misses"] == 0
     # The acceptance counts of one device: grad, opt, eval, the device metric x 2 (ragged valid split).
     assert (out["one"]["misses"], out["one"]["entries"]) == (5, 5)
     assert (out["many"]["misses"], out["many"]["entries"]) == (5, 5)

@@ -178,22 +178,24 @@ def test_decorated_helper(ip, capsys):
     scenario(ip, capsys, defs, 'act(x @ params["w"])', edit, ["__main__.act"])
 
 
+INNER_JIT = """
+def inner(z):
+    return z * 1.0
+
+@jax.jit
+def act(z):
+    return inner(z)
+"""
+INNER_EDIT = """
+def inner(z):
+    return z * 3.0
+"""
+
+
 def test_helper_below_an_inner_jax_jit(ip, capsys):
     # JAX caches the inner jit's trace by identity: without clearing it, the rebuilt handle would
     # recompile the outer program around the old inner one.
-    defs = """
-    def inner(z):
-        return z * 1.0
-
-    @jax.jit
-    def act(z):
-        return inner(z)
-    """
-    edit = """
-    def inner(z):
-        return z * 3.0
-    """
-    scenario(ip, capsys, defs, 'act(x @ params["w"])', edit, ["__main__.inner"])
+    scenario(ip, capsys, INNER_JIT, 'act(x @ params["w"])', INNER_EDIT, ["__main__.inner"])
 
 
 def test_lambda(ip, capsys):
@@ -312,19 +314,7 @@ def test_poisoning_keeps_the_compiled_programs_of_the_users_other_jax_jit_functi
     # Only the traces of user functions are dropped after an edit: jax.clear_caches() would also throw
     # away the executables of every unrelated jitted function in the session.
     ip.run_cell("import jax, jax.numpy as jnp\nother = jax.jit(lambda v: v * 2.0 + 1.0)\nother(jnp.ones(3))")
-    defs = """
-    def inner(z):
-        return z * 1.0
-
-    @jax.jit
-    def act(z):
-        return inner(z)
-    """
-    edit = """
-    def inner(z):
-        return z * 3.0
-    """
-    scenario(ip, capsys, defs, 'act(x @ params["w"])', edit, ["__main__.inner"])
+    scenario(ip, capsys, INNER_JIT, 'act(x @ params["w"])', INNER_EDIT, ["__main__.inner"])
     assert ip.user_ns["other"]._cache_size() == 1
 
 

@@ -1,44 +1,19 @@
 """The cache under threads: a key is compiled once however many threads need it (single flight), the
 counters stay consistent, and two handles training at once give the sequential results."""
 
-import dataclasses
 import threading
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import nitro_ipy
-from nitro_ipy import Device, GraphConst, Nitro, _cache, _compile
+from nitro_ipy import Nitro, _cache, _compile
 
 
-def _split(n, seed=0):
-    x = np.random.default_rng(seed).normal(size=(n, 4)).astype(np.float32)
-    return {"x": x, "y": np.sin(x.sum(1)).astype(np.float32)}
-
+from test_cache import Reg, _split  # the cache tests' experiment: a tiny regression
 
 DATA = {"train": _split(128), "valid": _split(40, 1)}
-
-
-@dataclasses.dataclass
-class Reg:
-    hidden: GraphConst[int] = 8
-    lr: Device[float] = 1e-2
-
-    def init(self, rng):
-        k1, k2 = jax.random.split(rng)
-        return {"w1": jax.random.normal(k1, (4, self.hidden)) * 0.3, "w2": jax.random.normal(k2, (self.hidden,)) * 0.3}
-
-    def forward(self, params, *, x):
-        return jnp.tanh(x @ params["w1"]) @ params["w2"]
-
-    def loss(self, outputs, *, y):
-        return jnp.mean((outputs - y) ** 2)
-
-    def optimizer(self):
-        return optax.adam(self.lr)
 
 
 def _run(seed, out, barrier=None):

@@ -1,0 +1,23 @@
+"""Dependency closures: what a compiled program's trace ran and read, and whether any of it has moved.
+
+The design notes are in `README.md` beside this file.
+"""
+
+from ._model import Closure as Closure
+from ._recorder import Recorder as Recorder, note_class_attr as note_class_attr, record as record
+from ._records import CellDep as CellDep, ClassAttrDep as ClassAttrDep, FuncDep as FuncDep, ValueDep as ValueDep
+
+# benchmarks/bench_staleness.py times each kind of check on its own, telling the value checks apart by it.
+from ._scan import check_value as check_value
+
+__all__ = [
+    "CellDep",
+    "ClassAttrDep",
+    "Closure",
+    "FuncDep",
+    "Recorder",
+    "ValueDep",
+    "check_value",
+    "note_class_attr",
+    "record",
+]

@@ -1,0 +1,94 @@
+"""Recording: `with record() as r:` notes the user functions a trace runs and turns them into `r.closure`."""
+
+from __future__ import annotations
+
+import threading
+
+from ._builder import Builder
+from ._index import Frame, traceback_functions
+from ._model import Closure
+from ._probes import probes
+
+
+class Recorder:
+    """Records the dependency closure of the code run inside `with record() as r:`; `r.closure` after.
+
+    Nested recorders in one thread all receive every event (the outer one also depends on what the inner
+    one traced); recorders in other threads are independent. In the `traceback` mode the code inside the
+    block hands each traced jaxpr over with `r.traced(jaxpr)`.
+    """
+
+    __slots__ = ("closure", "_frames", "_attrs", "_jaxprs", "_roots", "_mode", "_tid")
+
+    def __init__(self):
+        self.closure: Closure | None = None
+        self._frames: dict[int, Frame] = {}  # id(code) -> the function as it ran
+        self._attrs: dict[tuple, tuple] = {}  # (id(cls), name) -> (cls, name, attr)
+        self._jaxprs: list = []  # traced jaxprs (traceback mode)
+        self._roots: list = []  # the functions traced (traceback mode)
+        self._mode = None
+        self._tid = None
+
+    def __enter__(self) -> Recorder:
+        self._tid = threading.get_ident()
+        self._mode = probes.enter(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        probes.exit(self)
+        if self._jaxprs:
+            roots = [*self._roots, *(attr for _cls, _name, attr in self._attrs.values())]
+            for frame in traceback_functions(self._jaxprs, roots):
+                self._frames.setdefault(id(frame.code), frame)
+        builder = Builder()
+        for code, ns, _cells in self._frames.values():
+            builder.executed.add((ns.get("__name__") or "?", code.co_qualname))
+        for code, ns, cells in self._frames.values():
+            builder.function(code, ns, cells)
+        for cls, name, attr in self._attrs.values():
+            builder.class_attr(cls, name, attr)
+        self.closure = builder.build()
+        self._frames.clear()
+        self._attrs.clear()
+        self._jaxprs.clear()
+        self._roots.clear()
+
+    def traced(self, jaxpr, fn=None) -> None:
+        """Hand over what was traced inside this block (`compile_program` does); the probe modes saw it run.
+
+        **Arguments:**
+        - `jaxpr`: a jaxpr traced inside the block; the traceback mode reads the user functions from its
+          equations' tracebacks, for every recorder of this thread.
+        - `fn`: the function traced; their globals are searched for starting from it.
+        """
+        for rec in probes.active.get(self._tid, ()):
+            if rec._mode == "traceback":
+                rec._jaxprs.append(jaxpr)
+                if fn is not None:
+                    rec._roots.append(fn)
+
+    def _note(self, frame, code) -> None:
+        """A user function started: remember its code, globals and (closures) its cell values."""
+        if id(code) in self._frames:
+            return
+        cells = None
+        if code.co_freevars:
+            try:
+                local = frame.f_locals
+                cells = [(n, local[n]) for n in code.co_freevars if n in local]
+            except Exception:
+                cells = None
+        self._frames[id(code)] = Frame(code, frame.f_globals, cells)
+
+
+def record() -> Recorder:
+    """A context manager recording the dependency closure of what runs inside it (in this thread)."""
+    return Recorder()
+
+
+def note_class_attr(cls, name: str, attr) -> None:
+    """Record that traced code read class attribute `cls.name` (the compile view calls this)."""
+    stack = probes.active.get(threading.get_ident())
+    if stack:
+        for rec in stack:
+            rec._attrs.setdefault((id(cls), name), (cls, name, attr))

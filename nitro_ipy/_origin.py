@@ -1,0 +1,162 @@
+"""Whose code is this, and where does it live: the one place nitro_ipy decides what is user code.
+
+Fingerprinting (a user class by its code, a library class by its name), dependency recording (which
+functions a trace ran, and which of their files the watcher watches: not the cells) and live-class
+binding all ask here. The rule:
+
+- **library code**: files under an excluded prefix (the standard library, installed packages, nitro_ipy
+  itself, and whatever `register_exclusion` adds), and pseudo-files (`<frozen ...>`, `<string>`,
+  `<stdin>`, `<timed exec>`) other than the notebook's own;
+- **user code**: everything else, notebook cells included (`<ipython-input-N-...>` in a terminal shell,
+  `/tmp/ipykernel_PID/HASH.py` in a kernel).
+
+Which pseudo-files count as user code is `_USER_PSEUDO_FILES`; which paths count as library code is
+`_exclusions`. A change of rule is a change to one of those two.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+from ._memo import Memo
+
+__all__ = [
+    "class_namespace",
+    "is_cell_file",
+    "is_user_file",
+    "is_user_function",
+    "is_user_module",
+    "live_namespace",
+    "register_exclusion",
+    "user_namespaces",
+]
+
+# Path prefixes of library code. nitro_ipy's own directory is one: its code is library code everywhere
+# (in a checkout as much as in site-packages).
+_exclusions: list[str] = sorted(
+    {p for p in (sys.prefix, sys.base_prefix, sys.exec_prefix) if p}
+    | {p for p in sys.path if p.endswith(("site-packages", "dist-packages"))}
+    | {os.path.dirname(os.path.abspath(__file__)) + os.sep}
+)
+_prefixes: tuple[str, ...] = tuple(_exclusions)
+
+# Pseudo-files (`<...>`) holding user code: a terminal IPython shell's cells. Every other pseudo-file is
+# the interpreter's or a library's (`<frozen importlib._bootstrap>`, `<string>`, `<timed exec>`).
+_USER_PSEUDO_FILES = ("<ipython-input",)
+
+# filename -> is user code. Read on every function start while a probe records, hence a plain `dict.get`
+# (`verdicts.get`) before the full rule (`is_user_file`).
+verdicts = Memo("file origins", maxsize=65536)
+
+
+def register_exclusion(path_prefix: str) -> None:
+    """Count every file under `path_prefix` as library code (as JAX's `source_info_util` does)."""
+    global _prefixes
+    _exclusions.append(path_prefix)
+    _prefixes = tuple(_exclusions)
+    verdicts.clear()
+
+
+def _classify(filename: str | None) -> bool:
+    if not filename:
+        return False
+    if filename.startswith("<"):
+        verdict = filename.startswith(_USER_PSEUDO_FILES)
+    else:
+        verdict = not filename.startswith(_prefixes) and not os.path.abspath(filename).startswith(_prefixes)
+    verdicts[filename] = verdict
+    return verdict
+
+
+def is_user_file(filename: str | None) -> bool:
+    """True for code the user wrote: notebook cells and the user's own files."""
+    verdict = verdicts.get(filename)
+    return _classify(filename) if verdict is None else verdict
+
+
+def is_user_module(name: str) -> bool:
+    """True for `__main__` (the notebook) and for modules loaded from a user file."""
+    if name == "__main__":
+        return True
+    filename = getattr(sys.modules.get(name), "__file__", None)
+    return bool(filename) and is_user_file(filename)
+
+
+def is_user_function(fn) -> bool:
+    return isinstance(fn, types.FunctionType) and is_user_file(fn.__code__.co_filename)
+
+
+def is_cell_file(filename: str) -> bool:
+    """Notebook cells, which have no file to digest or watch: `<ipython-input-N-...>` (terminal) or
+    `/tmp/ipykernel_PID/HASH.py` (kernel); every pseudo-file is treated alike."""
+    return filename.startswith("<") or f"{os.sep}ipykernel_" in filename
+
+
+def live_namespace(module: str, recorded: dict | None = None) -> dict | None:
+    """The namespace `module` names now.
+
+    **Arguments:**
+    - `module`: a module name, `__main__` for the notebook.
+    - `recorded`: the namespace the code ran in, if known.
+
+    **Returns:** `sys.modules[module].__dict__`, else `recorded`. For `__main__`, `recorded` wins: an
+    IPython shell's user namespace may not be `sys.modules["__main__"]` (a test runner or an embedding
+    host owns that), and the code ran in the user namespace.
+    """
+    mod = sys.modules.get(module)
+    d = getattr(mod, "__dict__", None) if mod is not None else None
+    if d is None or (d is not recorded and module == "__main__" and recorded is not None):
+        return recorded
+    return d
+
+
+def user_namespaces() -> list[tuple[str, dict]]:
+    """`(module name, globals)` of each user namespace; the notebook's (`__main__`) first: the IPython user
+    namespace when a shell runs, else `sys.modules["__main__"]`."""
+    out = []
+    shell = sys.modules.get("IPython")
+    get_ipython = getattr(shell, "get_ipython", None)
+    ip = get_ipython() if get_ipython is not None else None
+    if ip is not None:
+        out.append(("__main__", ip.user_ns))
+    for name, module in list(sys.modules.items()):
+        ns = getattr(module, "__dict__", None)
+        if isinstance(ns, dict) and is_user_module(name):
+            out.append((name, ns))
+    if not out or out[0][0] != "__main__":
+        out.insert(0, ("__main__", getattr(sys.modules.get("__main__"), "__dict__", {})))
+    return out
+
+
+def _methods(cls: type):
+    """The plain functions `cls` defines: methods, static and class methods, property accessors, and the
+    functions `functools.wraps`-style decorators (and `jax.jit`) wrap."""
+    for attr in vars(cls).values():
+        if isinstance(attr, (staticmethod, classmethod)):
+            attr = attr.__func__
+        accessors = (attr.fget, attr.fset, attr.fdel) if isinstance(attr, property) else (attr,)
+        for fn in accessors:
+            for _ in range(64):  # a wrapper chain, bounded (a `__wrapped__` cycle is a user's bug)
+                if fn is None or isinstance(fn, type):
+                    break
+                if isinstance(fn, types.FunctionType):
+                    yield fn
+                try:
+                    fn = getattr(fn, "__wrapped__", None)
+                except Exception:  # a user object whose attribute raises: no function behind it
+                    break
+
+
+def class_namespace(cls: type) -> dict | None:
+    """The globals of the module `cls` was defined in.
+
+    Its own methods know them, even in an IPython shell whose user namespace is not
+    `sys.modules["__main__"]`; a class without methods falls back to `sys.modules[cls.__module__]`.
+    """
+    prefix = cls.__qualname__ + "."
+    for fn in _methods(cls):
+        if fn.__code__.co_qualname.startswith(prefix):
+            return fn.__globals__
+    return getattr(sys.modules.get(cls.__module__), "__dict__", None)
