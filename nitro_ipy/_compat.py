@@ -10,6 +10,7 @@ import re
 import weakref
 
 import jax
+from jax.sharding import Mesh
 
 # Type names of JAX's custom-derivative wrappers (`jax.custom_jvp`, `jax.custom_vjp`): the public classes
 # are re-exported under other module paths across releases, so they are matched by name.
@@ -158,16 +159,13 @@ def evict_traces(is_user) -> bool:
 def ambient_mesh():
     """The concrete mesh made current by `jax.set_mesh(mesh)` / `jax.sharding.use_mesh(mesh)` (or, on a
     JAX without them, `with mesh:`), or None when none is set: the handle then runs on one device."""
-    from jax.sharding import Mesh
-
     get = getattr(jax.sharding, "get_mesh", None)
-    if get is not None:
+    if get is not None:  # asked at every entry point: one call, no fallback
         try:
             mesh = get()
         except Exception:
-            mesh = None
-        if isinstance(mesh, Mesh) and not mesh.empty:
-            return mesh
+            return None
+        return mesh if isinstance(mesh, Mesh) and not mesh.empty else None
     try:  # `with mesh:` (older JAX): the resource environment's physical mesh
         from jax._src import mesh as mesh_lib
 

@@ -263,7 +263,8 @@ class Sharded:
         """`leaf` as a global array with `sharding`, strongly typed. A value every process holds alike
         (init's output, a host array) is built on each process from its own copy."""
         if isinstance(leaf, jax.Array):
-            if not leaf.is_fully_addressable:
+            if not leaf.is_fully_addressable:  # a global array of a multi-process run: no host copy
+                leaf = leaf.astype(leaf.dtype) if leaf.weak_type else leaf
                 return leaf if leaf.sharding == sharding else jax.device_put(leaf, sharding)
             if leaf.sharding == sharding and not leaf.weak_type:
                 return leaf
