@@ -200,19 +200,6 @@ def mesh_context(mesh):
 # on CPU: without it, a program spanning processes fails at its first all-reduce).
 CPU_COLLECTIVES_OPTION = "jax_cpu_collectives_implementation"
 
-# XLA:CPU kills the process when a device thread waits longer than this for the others at a collective
-# (an all-reduce across simulated devices): on an overloaded machine (2 cores, 4 simulated devices, other
-# jobs) a step can stall that long without anything being wrong. Tests and benchmarks that simulate
-# devices append this to `XLA_FLAGS` before JAX starts; an XLA that does not know it refuses to start,
-# which names the flag.
-PATIENT_CPU_COLLECTIVES_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
-
-
-def with_xla_flag(flags: str | None, flag: str) -> str:
-    """`flags` (an `XLA_FLAGS` value, maybe None) with `flag` appended once."""
-    parts = (flags or "").split()
-    return " ".join(parts if flag in parts else parts + [flag])
-
 
 def is_concrete_array(v) -> bool:
     """True for a `jax.Array` holding data, not a tracer met during a trace (`jax.core.Tracer`, a class

@@ -7,8 +7,6 @@ import subprocess
 import sys
 import textwrap
 
-from nitro_ipy._compat import PATIENT_CPU_COLLECTIVES_FLAG, with_xla_flag
-
 
 def import_source(tmp_path, monkeypatch, name: str, source: str):
     """Write `source` as module `name` in `tmp_path`, import it (fresh) and return it."""
@@ -22,10 +20,7 @@ def child_env(path, hash_seed: str = "0") -> dict:
     """The environment of a child Python: `PYTHONHASHSEED=hash_seed`, `path` first on its import path, then
     this process's own (the child must import the same nitro_ipy as we do), JAX on the CPU."""
     pythonpath = os.pathsep.join([str(path), *(p for p in sys.path if p)])
-    env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": pythonpath, "JAX_PLATFORMS": "cpu"}
-    # A child may simulate several devices: on a loaded machine their collectives must wait, not abort.
-    env["XLA_FLAGS"] = with_xla_flag(env.get("XLA_FLAGS"), PATIENT_CPU_COLLECTIVES_FLAG)
-    return env
+    return {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": pythonpath, "JAX_PLATFORMS": "cpu"}
 
 
 def last_json(stdout: str):

@@ -99,13 +99,6 @@ def test_auto_axes_turns_explicit_axes_auto():
         assert _compat.auto_axes(auto) is auto
 
 
-def test_xla_flag_is_appended_once():
-    flag = _compat.PATIENT_CPU_COLLECTIVES_FLAG
-    assert _compat.with_xla_flag(None, flag) == flag
-    assert _compat.with_xla_flag("--a=1", flag) == f"--a=1 {flag}"
-    assert _compat.with_xla_flag(f"--a=1 {flag}", flag) == f"--a=1 {flag}"
-
-
 def test_concrete_arrays_are_told_from_tracers():
     seen = []
 
