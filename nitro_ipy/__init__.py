@@ -31,6 +31,8 @@ from ._handle import predict as predict
 from ._handle import train as train
 from ._handle import validate as validate
 from ._hooks import metrics as metrics
+from ._store import cache_dir as cache_dir
+from ._store import set_cache_dir as set_cache_dir
 from ._runs import History as History
 from ._runs import Run as Run
 from ._runs import TrainingInterrupted as TrainingInterrupted
@@ -59,6 +61,7 @@ __all__ = [
     "Unfingerprintable",
     "assert_graphconst_hashable",
     "bump_world",
+    "cache_dir",
     "cache_reset",
     "cache_stats",
     "compile_view",
@@ -70,6 +73,7 @@ __all__ = [
     "host_fields",
     "metrics",
     "predict",
+    "set_cache_dir",
     "train",
     "validate",
     "world",

@@ -99,6 +99,8 @@ class Entry:
     compiler_options: dict = dataclasses.field(default_factory=dict)  # the XLA options it was compiled with
     operations: int = 0  # equations of its jaxpr, sub-jaxprs included: what a slow compile is made of
     constants: tuple = ()  # (nbytes, shape, dtype, origin) of large constants baked in (`_compile`)
+    origin: str = "compiled"  # "disk": loaded from the program store (`_store.py`), not traced
+    unstorable: str | None = None  # why the store cannot hold it (then JAX's persistent cache does)
 
     @property
     def kind(self) -> str:

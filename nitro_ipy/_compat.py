@@ -205,3 +205,56 @@ def is_concrete_array(v) -> bool:
     """True for a `jax.Array` holding data, not a tracer met during a trace (`jax.core.Tracer`, a class
     JAX keeps under `jax.core`). Identity snapshots hold only concrete arrays; a tracer has none."""
     return isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer)
+
+
+# ---------------------------------------------------------------- the program store (`_store.py`)
+# Primitives whose compiled form calls back into this Python process: an executable holding one cannot be
+# stored and loaded in another process (the callback is a pointer into this one).
+HOST_CALLBACK_PRIMITIVES = ("pure_callback", "io_callback", "debug_callback", "callback", "debug_print")
+
+
+def serialize_compiled(compiled) -> tuple[bytes, object, object]:
+    """`(payload, in_tree, out_tree)` of a `jax.stages.Compiled` (`jax.experimental.serialize_executable`).
+
+    Raises where this executable cannot be serialized (JAX raises ValueError / NotImplementedError for
+    closed-over constants or mutable refs); the caller falls back to JAX's persistent compilation cache."""
+    from jax.experimental import serialize_executable
+
+    return serialize_executable.serialize(compiled)
+
+
+def deserialize_compiled(payload: bytes, in_tree, out_tree):
+    """The `jax.stages.Compiled` that `serialize_compiled` wrote, loaded on this process's default backend.
+    Runs pickle on `payload`: only for files this user's own store wrote (`_store.py` checks them first)."""
+    from jax.experimental import serialize_executable
+
+    return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+
+
+def enable_jax_compilation_cache(path: str, max_bytes: int = -1) -> bool:
+    """Point JAX's own persistent compilation cache at `path` and cache every executable (no minimum
+    compile time or size; at most `max_bytes`, least recently used first), unless the user configured a
+    directory of their own.
+
+    **Returns:** True when JAX's cache now writes to `path`."""
+    current = jax.config.jax_compilation_cache_dir
+    if current and current != path:
+        return False
+    if current != path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        import importlib.util
+
+        if max_bytes > 0 and importlib.util.find_spec("filelock") is not None:  # JAX's cap needs filelock
+            try:
+                jax.config.update("jax_compilation_cache_max_size", int(max_bytes))
+            except Exception:  # an older JAX without a size cap
+                pass
+        try:  # JAX initializes its cache once per process, on the first compile: start it again at `path`
+            from jax._src import compilation_cache
+
+            compilation_cache.reset_cache()
+        except Exception:
+            pass
+    return True

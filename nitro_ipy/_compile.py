@@ -12,7 +12,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from . import _cache, _report
+from . import _cache, _report, _store
 from ._compat import (
     FUSION_EMITTERS_OPTION,
     OPTIMIZATION_LEVEL_OPTION,
@@ -75,12 +75,20 @@ def compile_program(
     if claimed is None:
         return entry
     try:
-        entry = _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, out_shardings)
+        # A program stored by an earlier process, valid here and against the live code, is loaded
+        # instead of traced (`_store.py`); it still counts as a miss that creates an entry.
+        why = explain_miss(key, info or {}, _cache.explanation_candidates())
+        entry = _store.load(key, info, why) if record is not None else None
+        if entry is None:
+            entry = _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, why,
+                               out_shardings)
     except BaseException as err:
         _cache.release(claimed, err)
         raise
     # A trace that raised (a bug in a hook) stored nothing, so it counts nothing: misses == entries holds.
     _cache.store(entry, claimed)
+    if entry.origin != "disk" and not entry.unstorable:
+        _store.save(entry)
     _report.emit(Kind.COMPILE, entry=entry)
     for nbytes, shape, dtype, origin in entry.constants:
         _report.emit(Kind.LARGE_CONSTANT, program=entry.kind, nbytes=nbytes, shape=shape, dtype=dtype,
@@ -88,9 +96,8 @@ def compile_program(
     return entry
 
 
-def _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, out_shardings=None):
+def _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, why=None, out_shardings=None):
     """Trace (recording), lower and XLA-compile: the `Entry`, not yet stored."""
-    why = explain_miss(key, info or {}, _cache.explanation_candidates())
     placed = {} if out_shardings is None else {"out_shardings": out_shardings}
     jitted = jax.jit(fn, donate_argnums=donate_argnums, **placed)
     t0 = time.perf_counter()
@@ -103,13 +110,18 @@ def _build(key, fn, args, donate_argnums, info, record, compiler_options, source
     else:
         traced, closure = jitted.trace(*args), None
     lowered = traced.lower()
+    # A program the store cannot hold still skips XLA after a restart, through JAX's own cache.
+    on = record is not None and _store.cache_dir() is not None
+    unstorable = _store.unstorable_reason(traced.jaxpr, closure) if on else None
+    if unstorable is not None:
+        _store.fallback(key, unstorable)
     t1 = time.perf_counter()
     compiled, used = xla_compile(lowered, program_options(traced.jaxpr, compiler_options))
     t2 = time.perf_counter()
     return _cache.Entry(
         key, compiled, t1 - t0, t2 - t1, closure, info or {}, why, compiler_options=used,
         operations=sum(1 for _ in jaxpr_eqns([traced.jaxpr])),
-        constants=large_constants(traced.jaxpr, closure, sources),
+        constants=large_constants(traced.jaxpr, closure, sources), unstorable=unstorable,
     )
 
 

@@ -13,7 +13,7 @@ runs), `_enter()`, `_run` (the background run training it, or None), and `_view`
 import jax
 import numpy as np
 
-from . import _cache, _closure, _compile, _loop, _report, _runs
+from . import _cache, _checkpoint, _closure, _compile, _loop, _report, _runs, _store
 from ._binding import bind
 from ._data import check_splits, eval_batches, split_len, steps_per_epoch
 from ._errors import NitroTypeError, NitroValueError
@@ -47,6 +47,10 @@ class Nitro:
       one device); each batch is split along its `data_axis` (default `"data"`), which `batch_size` must
       divide. `param_sharding`: `(path, shape) -> PartitionSpec | None` to shard large parameters
       (needs `flat_params=False`); params and optimizer state are replicated otherwise. See docs/scale.md.
+    - `resume`: a checkpoint file (`n.save(path)`) to continue from, or `"auto"`: the newest checkpoint in
+      `checkpoint_dir` (a fresh start when there is none). A changed GraphConst field is refused.
+    - `checkpoint_dir`, `checkpoint_every` (epochs), `keep` (newest checkpoints kept; None: all),
+      `keep_best` (`(metric, "min" | "max")`, e.g. `("valid_loss", "min")`: that one is kept too).
     - `stop_when`: `(metric, "min" | "max", patience)`: early stopping on an epoch row's metric, e.g.
       `("valid_loss", "min", 3)`; the row where it fires says so in `row["stopped"]`.
     """
@@ -66,6 +70,11 @@ class Nitro:
         mesh=None,
         data_axis: str = "data",
         param_sharding=None,
+        resume=None,
+        checkpoint_dir=None,
+        checkpoint_every: int | None = None,
+        keep: int | None = None,
+        keep_best: tuple | None = None,
         stop_when: tuple | None = None,
     ):
         options = dict(
@@ -74,7 +83,19 @@ class Nitro:
             mesh=mesh, data_axis=data_axis, param_sharding=param_sharding,
             stop_when=stop_when,
         )
+        # Checkpointing is checked before setup: a bad setting fails fast, before `init` runs.
+        checkpoints = (None if checkpoint_every is None
+                       else _checkpoint.Policy(checkpoint_dir, checkpoint_every, keep, keep_best))
+        if resume == "auto":
+            if checkpoint_dir is None:
+                raise NitroValueError('`resume="auto"` resumes from the newest checkpoint of `checkpoint_dir=`; '
+                                      "pass it (or a checkpoint file as `resume=`).")
+            resume = _checkpoint.newest(checkpoint_dir)
+        options["checkpoints"] = checkpoints
+        _store.activate()  # before setup: its eager operations compile too
         self._setup(e, options, carry=None)
+        if resume is not None:
+            _checkpoint.restore(self, resume)
 
     @classmethod
     def _carrying(cls, e, options: dict, carry: tuple) -> "Nitro":
@@ -123,6 +144,7 @@ class Nitro:
         self._programs: dict = {}  # key -> Entry: what this handle runs (kept even if poisoned)
         self._kinds_seen: dict = {}  # kind -> key of the first program of that kind
         self._loops_reported: set = set()
+        self._checkpoints = options.get("checkpoints")
         self.history: list[dict] = _runs.History()  # a list of epoch rows, with `.table()`
         self._stop_when = _runs.early_stop(options.get("stop_when"), b.splits)
         self._run = None  # the background run training this handle, if any (`_runs.check_idle`)
@@ -137,6 +159,12 @@ class Nitro:
     def state(self):
         """The optimizer state (over the flat parameter buffers unless `flat_params=False`)."""
         return self._state
+
+    def save(self, path) -> str:
+        """Write a checkpoint (params, model and optimizer state, step, epoch, seed, history and the
+        experiment's manifest) to `path`, atomically; a directory gets `step-<step>.nitro.npz`.
+        Resume it with `Nitro(e, resume=path)`. Returns the file written."""
+        return _checkpoint.save(self, path)
 
     def rebuild(self) -> "Nitro":
         """A new handle on the same experiment with the current state carried over and hooks re-bound
@@ -254,6 +282,8 @@ class Nitro:
                 row.update({f"valid_{k}": v for k, v in self._evaluate("valid").items()})
             if stopper is not None and (reason := stopper.update(row)):
                 row["stopped"] = reason
+            if self._checkpoints is not None:  # after validation: `keep_best` ranks by the row's metrics
+                self._checkpoints.after_epoch(self)
             if self.progress:
                 _report.emit(Kind.EPOCH, record=row)  # `record` is the EPOCH message's field name
             if row.get("stopped"):

@@ -76,9 +76,16 @@ def _no_arguments(line: str, name: str) -> None:
         raise UsageError(_BAD_OPTION.format(magic=name, problem=f"unexpected `{line.strip()}`", valid="none"))
 
 
-def _reset() -> None:
+def _reset(disk: bool = False) -> None:
     cache_reset()
     print("nitro_ipy: compile cache emptied; counters zeroed.")
+    if disk:
+        from ._store import cache_dir, clear
+
+        removed = clear()
+        where = cache_dir()
+        print(f"nitro_ipy: program store cleared: {removed} program{'s' if removed != 1 else ''} deleted from {where}."
+              if where else "nitro_ipy: the program store is off; nothing on disk to clear.")
 
 
 @magics_class
@@ -166,11 +173,14 @@ class NitroMagics(Magics):
             return _reset()
         return stats_table()
 
+    @magic_arguments()
+    @argument("--disk", action="store_true", help="also delete every program stored on disk")
     @line_magic
     def nitro_reset(self, line=""):
-        """Empty the compile cache and zero its counters (`nitro_ipy.cache_reset()`)."""
-        _no_arguments(line, "nitro_reset")
-        return _reset()
+        """Empty the compile cache and zero its counters (`nitro_ipy.cache_reset()`); `--disk` also
+        deletes the programs stored on disk (the program store, `nitro_ipy.set_cache_dir`)."""
+        args = _parse(self.nitro_reset, line, "nitro_reset", ("--disk",))
+        return _reset(disk=args.disk)
 
     @line_magic
     def nitro_panel(self, line=""):

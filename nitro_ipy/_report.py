@@ -26,6 +26,10 @@ class Kind(str, enum.Enum):
     RECOMPILE_LOOP = "recompile-loop"  # a program kind compiled again after step 1: program, why
     EPOCH = "epoch"  # an epoch ended: record
     LARGE_CONSTANT = "large-constant"  # a program bakes in a large array: program, nbytes, shape, dtype, origin
+    STORE_REFUSED = "store-refused"  # a stored program file was bad and deleted: name, reason
+    STORE_FALLBACK = "store-fallback"  # a program cannot be stored; JAX's persistent cache takes it: program, reason, path
+    STORE_OFF = "store-off"  # the program store's directory was refused: text
+    RESUMED = "resumed"  # a handle resumed from a checkpoint: path, step, epoch, notes (changed Device/Host, hooks)
     MIXED_CODE = "mixed-code"  # a background run compiled a program after its code moved: program, names, others
 
     def __str__(self):
@@ -59,6 +63,8 @@ def _compile_text(entry) -> str:
     why = f" ({entry.why})" if entry.why else ""
     hooks = ", ".join(entry.hook_names)
     seconds = entry.trace_s + entry.compile_s
+    if getattr(entry, "origin", "compiled") == "disk":
+        return f"nitro_ipy: compiled {entry.kind} [{hooks}] from disk in {seconds:.2f} s (loaded, no trace){why}"
     size = f", {entry.operations:,} operations" if seconds >= SLOW_COMPILE_S and entry.operations else ""
     return (
         f"nitro_ipy: compiled {entry.kind} [{hooks}] in {seconds:.2f} s "
@@ -71,6 +77,29 @@ def _size(nbytes: int) -> str:
         if nbytes < 1024 or unit == "GiB":
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
         nbytes /= 1024
+
+
+size_text = _size
+
+
+def _store_refused_text(name: str, reason: str) -> str:
+    return f"nitro_ipy: stored program {name} refused ({reason}); deleted, it compiles as usual."
+
+
+def _store_fallback_text(program: str, reason: str, path: str | None) -> str:
+    where = (f"JAX's persistent compilation cache in {path} keeps its XLA step (a restart traces it again)"
+             if path else "it compiles in full after a restart (JAX's cache is configured elsewhere)")
+    return f"nitro_ipy: the `{program}` program cannot be stored ({reason}); {where}."
+
+
+def _store_off_text(text: str) -> str:
+    return text
+
+
+def _resumed_text(path: str, step: int, epoch: int, notes: tuple) -> str:
+    changed = "".join(f"\n  {line}" for line in notes)
+    return (f"nitro_ipy: resumed from {path} at step {step}, epoch {epoch}"
+            + (f"; changed since it was saved (not refused):{changed}" if notes else ""))
 
 
 def _large_constant_text(program: str, nbytes: int, shape: tuple, dtype: str, origin: str | None) -> str:
@@ -139,6 +168,10 @@ TEXT: dict[Kind, Callable[..., str]] = {
     Kind.RECOMPILE_LOOP: _recompile_loop_text,
     Kind.EPOCH: _epoch_text,
     Kind.LARGE_CONSTANT: _large_constant_text,
+    Kind.STORE_REFUSED: _store_refused_text,
+    Kind.STORE_FALLBACK: _store_fallback_text,
+    Kind.STORE_OFF: _store_off_text,
+    Kind.RESUMED: _resumed_text,
     Kind.MIXED_CODE: _mixed_code_text,
 }
 

@@ -6,7 +6,7 @@ displays it.
 import html
 from typing import NamedTuple
 
-from . import _cache
+from . import _cache, _store
 
 _SHAPES_TEXT_WIDTH = 56  # a terminal table stays readable; the HTML table shows shapes in full
 _SUMMARIZED = ("params", "grads", "opt_state")  # arguments the handle passes (names from `_handle.py`)
@@ -32,14 +32,16 @@ class StatsTable:
     Displays as an HTML table in a notebook (`_repr_html_`) and as aligned text elsewhere (`repr`).
     """
 
-    def __init__(self, stats: _cache.CacheStats, rows: list, untracked: list, poisoned: int):
+    def __init__(self, stats: _cache.CacheStats, rows: list, untracked: list, poisoned: int, store=None):
         """**Arguments:**
 
         - `stats`: the cache's counters (hits, misses, entries).
         - `rows`: one `StatsRow` per program, live ones first.
         - `untracked`: the values no closure tracks, as text, each once.
         - `poisoned`: how many entries are poisoned.
+        - `store`: the program store's `StoreStats` (directory, count, size), or None.
         """
+        self.store = store
         self.stats = stats
         self.rows = rows
         self.untracked = untracked
@@ -70,6 +72,8 @@ class StatsTable:
         if self.untracked:
             lines.append("not tracked (an edit to these is invisible; `nitro_ipy.cache_reset()` is the escape "
                          "hatch): " + ", ".join(self.untracked))
+        if self.store is not None:
+            lines.append(repr(self.store))
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -81,7 +85,7 @@ class StatsTable:
                 out.append(f"<th>{h}</th>")
             out.append("</tr></thead><tbody>")
             for r in self.rows:
-                color = "" if r.state == "live" else " style='color:#c77700'"
+                color = "" if r.state.startswith("live") else " style='color:#c77700'"
                 out.append(
                     f"<tr><td><code>{esc(r.kind)}</code></td><td>{esc(r.hooks)}</td>"
                     f"<td><code>{esc(r.shapes)}</code></td><td>{r.trace_s:.2f}</td><td>{r.compile_s:.2f}</td>"
@@ -94,6 +98,8 @@ class StatsTable:
             out.append("<p><b>not tracked</b> (an edit to these is invisible; <code>nitro_ipy.cache_reset()</code> "
                        "is the escape hatch): " + ", ".join(f"<code>{esc(u)}</code>" for u in self.untracked)
                        + "</p>")
+        if self.store is not None:
+            out.append(f"<p>{esc(repr(self.store))}</p>")
         out.append("</div>")
         return "".join(out)
 
@@ -120,7 +126,7 @@ def compact_shapes(entry) -> str:
 
 def _row_state(entry) -> str:
     if not entry.poisoned:
-        return "live"
+        return "live, from disk" if entry.origin == "disk" else "live"
     return f"poisoned ({', '.join(entry.drifted)})" if entry.drifted else "poisoned"
 
 
@@ -140,4 +146,6 @@ def stats_table() -> StatsTable:
             text = str(item)
             if text not in untracked:
                 untracked.append(text)
-    return StatsTable(_cache.cache_stats(), rows, untracked, len(_cache.poisoned_entries()))
+    store = _store.store_stats()  # said only when the store is on: off is the quiet default of scripts
+    return StatsTable(_cache.cache_stats(), rows, untracked, len(_cache.poisoned_entries()),
+                      store if store.path is not None else None)

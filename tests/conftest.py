@@ -1,4 +1,10 @@
+import os
 import warnings
+
+# The program store is off in tests (and in the kernels and child processes they start, which inherit
+# this): no test writes to the real per-user cache, and no test loads what another one compiled. The
+# store's own tests turn it on in a temporary directory (`tests/test_store.py`).
+os.environ["NITRO_IPY_CACHE_DIR"] = ""
 
 import pytest
 

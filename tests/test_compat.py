@@ -99,6 +99,35 @@ def test_auto_axes_turns_explicit_axes_auto():
         assert _compat.auto_axes(auto) is auto
 
 
+def test_serialize_compiled_round_trips_an_executable():
+    from nitro_ipy._compat import deserialize_compiled, serialize_compiled
+
+    compiled = jax.jit(lambda p, x: {"y": p["w"] @ x}).trace({"w": jnp.ones((2, 2))}, jnp.ones(2)).lower().compile()
+    payload, in_tree, out_tree = serialize_compiled(compiled)
+    assert isinstance(payload, bytes) and payload
+    loaded = deserialize_compiled(payload, in_tree, out_tree)
+    assert loaded({"w": jnp.eye(2) * 3}, jnp.arange(2.0))["y"].tolist() == [0.0, 3.0]
+
+
+def test_enable_jax_compilation_cache_points_jax_at_a_directory_and_leaves_a_users_own(tmp_path):
+    from jax._src import compilation_cache
+
+    from nitro_ipy._compat import enable_jax_compilation_cache
+
+    try:
+        assert enable_jax_compilation_cache(str(tmp_path / "a")) is True
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "a")
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
+        jax.jit(lambda x: x * 7 + 1)(jnp.ones(5)).block_until_ready()
+        assert any((tmp_path / "a").iterdir())  # JAX wrote its cache entry there
+        assert enable_jax_compilation_cache(str(tmp_path / "b")) is False  # someone else's dir: left alone
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "a")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", None)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        compilation_cache.reset_cache()
+
+
 def test_concrete_arrays_are_told_from_tracers():
     seen = []
 

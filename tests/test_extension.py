@@ -235,7 +235,7 @@ def test_reset_magics(trained, capsys, line):
 def test_unknown_options_are_usage_errors_listing_the_valid_ones(loaded):
     with pytest.raises(UsageError, match=r"^`%nitro_stats`: unrecognized arguments: --bogus. Valid options: --reset.$"):
         loaded.run_line_magic("nitro_stats", "--bogus")
-    with pytest.raises(UsageError, match=r"^`%nitro_reset`: unexpected `now`. Valid options: none.$"):
+    with pytest.raises(UsageError, match=r"^`%nitro_reset`: unrecognized arguments: now. Valid options: --disk.$"):
         loaded.run_line_magic("nitro_reset", "now")
     with pytest.raises(UsageError, match=r"^`%nitro_panel`: unexpected `-x`. Valid options: none.$"):
         loaded.run_line_magic("nitro_panel", "-x")

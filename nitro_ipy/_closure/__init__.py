@@ -4,6 +4,9 @@ The design notes are in `README.md` beside this file.
 """
 
 from ._model import Closure as Closure
+from ._persist import closure_from_records as closure_from_records
+from ._persist import closure_records as closure_records
+from ._persist import live_module_namespace as live_module_namespace
 from ._recorder import Recorder as Recorder, note_class_attr as note_class_attr, record as record
 from ._records import CellDep as CellDep, ClassAttrDep as ClassAttrDep, FuncDep as FuncDep, ValueDep as ValueDep
 
@@ -18,6 +21,9 @@ __all__ = [
     "Recorder",
     "ValueDep",
     "check_value",
+    "closure_from_records",
+    "closure_records",
+    "live_module_namespace",
     "note_class_attr",
     "record",
 ]

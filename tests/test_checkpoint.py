@@ -1,0 +1,183 @@
+"""Checkpoints: a resumed run equals an uninterrupted one (in this process and from a child process's
+checkpoint), a GraphConst change is refused with the field diff, Device/Host changes and edited hooks
+are listed, periodic saves keep what the retention policy says.
+
+Cost: one child process (about 4 s); the rest trains tiny models in this process."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import nitro_ipy
+from nitro_ipy import Device, GraphConst, Nitro, _report
+from nitro_ipy._checkpoint import ResumeMismatchError
+
+
+@pytest.fixture
+def messages():
+    got = []
+    previous = _report.set_sink(got.append)
+    yield got
+    _report.set_sink(previous)
+
+
+@dataclasses.dataclass
+class Tiny:
+    hidden: GraphConst[int] = 8
+    table: GraphConst[tuple] = (1, 2, 3)
+    lr: Device[float] = 1e-2
+    notes: str = ""
+
+    def init(self, rng):
+        k1, k2 = jax.random.split(rng)
+        return {"w1": jax.random.normal(k1, (3, self.hidden)) * 0.5, "w2": jax.random.normal(k2, (self.hidden,)) * 0.5}
+
+    def forward(self, params, *, x):
+        return jnp.tanh(x @ params["w1"]) @ params["w2"]
+
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+
+    def optimizer(self):
+        return optax.adam(self.lr)
+
+
+X = np.random.default_rng(0).normal(size=(80, 3)).astype(np.float32)
+DATA = {"train": {"x": X, "y": np.sin(X.sum(1))}, "valid": {"x": X[:16], "y": np.sin(X[:16].sum(1))}}
+
+
+def _handle(e=None, **kw):
+    return Nitro(e or Tiny(), data=DATA, batch_size=16, max_epochs=1, progress=False, seed=3, **kw)
+
+
+def _equal(a, b):
+    return all(jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.array_equal(x, y)), a, b)))
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path, messages):
+    straight = _handle()
+    straight.train(3)
+    first = _handle()
+    first.train(1)
+    path = first.save(tmp_path / "ckpt")
+    assert path == str(tmp_path / "ckpt.nitro.npz")
+    resumed = _handle(resume=path)
+    assert (resumed.step, resumed.epoch) == (5, 1)
+    assert _equal(resumed.params, first.params) and _equal(resumed.state, first.state)
+    resumed.train(2)
+    assert _equal(resumed.params, straight.params)
+    assert _equal(resumed.state, straight.state)
+    assert resumed.history == straight.history
+    assert (resumed.step, resumed.epoch) == (straight.step, straight.epoch) == (15, 3)
+    said = [m.text for m in messages if m.kind == _report.Kind.RESUMED]
+    assert said == [f"nitro_ipy: resumed from {path} at step 5, epoch 1"]
+
+
+def test_resume_refuses_a_graphconst_change_with_the_field_diff(tmp_path):
+    n = _handle()
+    n.train(1)
+    path = n.save(tmp_path / "c.nitro.npz")
+    with pytest.raises(ResumeMismatchError) as err:
+        _handle(Tiny(hidden=16, table=(1, 2, 4)), resume=path)
+    text = str(err.value)
+    assert text.startswith(f"cannot resume from `{path}`: the experiment's GraphConst fields changed")
+    assert "\n  GraphConst `hidden`: 8 -> 16\n  GraphConst `table`: (1, 2, 3) -> (1, 2, 4)\n" in text
+    assert text.endswith("Fix: set those fields back to the saved values, or start a fresh run without `resume=`.")
+    assert isinstance(err.value, nitro_ipy.NitroValueError)
+
+
+@dataclasses.dataclass
+class WithArray(Tiny):
+    table: GraphConst[object] = dataclasses.field(default_factory=lambda: np.arange(200.0))
+
+
+def test_same_repr_different_content_says_where(tmp_path):
+    n = _handle(WithArray())
+    path = n.save(tmp_path / "c")
+    table = np.arange(200.0)
+    table[150] = -1.0
+    with pytest.raises(ResumeMismatchError) as err:
+        _handle(WithArray(table=table), resume=path)
+    line = next(l for l in str(err.value).splitlines() if "`table`" in l)
+    assert "(same repr; the content differs" in line, line
+    assert line.endswith("at `table[150]`)"), line  # narrowed down slice by slice
+
+
+def test_resume_lists_device_host_and_hook_changes_without_refusing(tmp_path, messages, monkeypatch):
+    n = _handle()
+    n.train(1)
+    path = n.save(tmp_path / "c")
+
+    @dataclasses.dataclass
+    class Edited(Tiny):
+        def loss(self, outputs, *, y):
+            return jnp.mean(jnp.abs(outputs - y))
+
+    Edited.__qualname__ = Edited.__name__ = "Tiny"  # the class cell re-run with its loss edited
+    monkeypatch.setitem(globals(), "Tiny", Edited)
+    resumed = _handle(Edited(lr=1e-3, notes="run 2"), resume=path)
+    assert resumed.step == 5
+    said = [m for m in messages if m.kind == _report.Kind.RESUMED][0]
+    assert said.data["notes"] == ("Device `lr`: 0.01 -> 0.001", "Host `notes`: '' -> 'run 2'",
+                                  "hook `loss` edited since the checkpoint")
+    assert said.text.endswith("changed since it was saved (not refused):\n  Device `lr`: 0.01 -> 0.001\n"
+                              "  Host `notes`: '' -> 'run 2'\n  hook `loss` edited since the checkpoint")
+
+
+def test_periodic_checkpoints_keep_the_newest_and_the_best(tmp_path):
+    d = tmp_path / "run"
+    n = _handle(checkpoint_dir=d, checkpoint_every=1, keep=2, keep_best=("valid_loss", "min"))
+    n.train(4)
+    losses = [r["valid_loss"] for r in n.history]
+    best_epoch = int(np.argmin(losses)) + 1
+    kept = sorted(p.name for p in d.glob("*.nitro.npz"))
+    expected = {f"step-{5 * e:08d}.nitro.npz" for e in (3, 4, best_epoch)}
+    assert kept == sorted(expected)
+    auto = _handle(checkpoint_dir=d, resume="auto")
+    assert (auto.step, auto.epoch) == (20, 4) and _equal(auto.params, n.params)
+    assert _handle(checkpoint_dir=tmp_path / "empty", resume="auto").step == 0  # nothing yet: a fresh start
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(checkpoint_every=1), r"`checkpoint_every=` needs `checkpoint_dir=`"),
+    (dict(checkpoint_dir="x", checkpoint_every=0), r"`checkpoint_every` must be a positive number of epochs; got 0"),
+    (dict(checkpoint_dir="x", checkpoint_every=1, keep=0), r"`keep` must be a positive integer"),
+    (dict(checkpoint_dir="x", checkpoint_every=1, keep_best="valid_loss"), r'`keep_best` must be `\(metric, "min" \| "max"\)`'),
+    (dict(resume="auto"), r'`resume="auto"` resumes from the newest checkpoint of `checkpoint_dir=`'),
+    (dict(resume="/nonexistent/c.nitro.npz"), r"no checkpoint at `/nonexistent/c.nitro.npz`"),
+])
+def test_bad_checkpoint_settings_are_refused_at_setup(kw, match):
+    with pytest.raises(nitro_ipy.NitroValueError, match=match):
+        _handle(**kw)
+
+
+CHILD = textwrap.dedent('''
+    import sys
+    sys.path.insert(0, {tests!r})
+    import test_checkpoint as t
+    n = t._handle()
+    n.train(1)
+    print(n.save({path!r}))
+''')
+
+
+def test_a_checkpoint_from_another_process_resumes_here(tmp_path):
+    path = str(tmp_path / "child.nitro.npz")
+    script = tmp_path / "child.py"
+    script.write_text(CHILD.format(tests=os.path.dirname(__file__), path=path))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    straight = _handle()
+    straight.train(2)
+    resumed = _handle(resume=path)
+    resumed.train(1)
+    assert _equal(resumed.params, straight.params) and _equal(resumed.state, straight.state)
+    assert resumed.history == straight.history

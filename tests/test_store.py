@@ -1,0 +1,330 @@
+"""The program store: programs written by one process and loaded by another without tracing, exactly the
+drifted ones recompiled after an edit, bad files refused, the directory's permissions checked.
+
+Cost: three child processes (about 4 s each) in `test_restart_*`; the rest runs in this process."""
+
+import dataclasses
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import nitro_ipy
+from nitro_ipy import Device, GraphConst, Nitro, _report, _stats, _store
+
+
+@pytest.fixture
+def store(tmp_path):
+    path = tmp_path / "cache"
+    nitro_ipy.set_cache_dir(path)
+    yield path
+    _store._override = _store._UNSET  # back to the environment's choice (off in tests)
+    _store._max_bytes = None
+    _forget_jax_cache()
+
+
+def _forget_jax_cache():
+    """The store pointed JAX's own cache at the (temporary) directory: point it nowhere again."""
+    from jax._src import compilation_cache
+
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()
+
+
+@pytest.fixture
+def messages():
+    got = []
+    previous = _report.set_sink(got.append)
+    yield got
+    _report.set_sink(previous)
+
+
+SCALE = 2.0
+
+
+def helper(x):
+    return jnp.tanh(x) * SCALE
+
+
+@dataclasses.dataclass
+class Tiny:
+    hidden: GraphConst[int] = 8
+    lr: Device[float] = 1e-2
+
+    def init(self, rng):
+        k1, k2 = jax.random.split(rng)
+        return {"w1": jax.random.normal(k1, (3, self.hidden)) * 0.5, "w2": jax.random.normal(k2, (self.hidden,)) * 0.5}
+
+    def forward(self, params, *, x):
+        return helper(x @ params["w1"]) @ params["w2"]
+
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+
+    def optimizer(self):
+        return optax.adam(self.lr)
+
+
+X = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
+DATA = {"train": {"x": X, "y": np.sin(X.sum(1))}, "valid": {"x": X[:16], "y": np.sin(X[:16].sum(1))}}
+
+
+def _train(e=None):
+    n = Nitro(e or Tiny(), data=DATA, batch_size=16, max_epochs=1, progress=False)
+    n.train()
+    return n
+
+
+def _compiles(messages):
+    return [m.text for m in messages if m.kind == _report.Kind.COMPILE]
+
+
+def _files(store):
+    return sorted((store / "programs").glob("*.nxp"))
+
+
+def test_a_stored_program_loads_after_a_reset_and_counts_as_a_miss(store, messages):
+    first = _train()
+    assert len(_files(store)) == 3
+    assert not any("from disk" in t for t in _compiles(messages))
+    nitro_ipy.cache_reset()
+    messages.clear()
+    second = _train()
+    lines = _compiles(messages)
+    assert [t.split()[2] for t in lines] == ["grad", "opt", "eval"]
+    assert all(" from disk in " in t and "(loaded, no trace)" in t for t in lines), lines
+    stats = nitro_ipy.cache_stats()
+    assert stats.misses == stats.entries == 3
+    assert second.history == first.history
+    assert jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), first.params, second.params) == {"w1": True, "w2": True}
+    table = _stats.stats_table()
+    assert [r.state for r in table.rows] == ["live, from disk"] * 3
+    assert repr(table).splitlines()[-1].startswith("nitro_ipy program store: 3 programs, ")
+    assert repr(table).splitlines()[-1].endswith(f"in {store} ({_store.loaded_count} loaded from disk this session)")
+
+
+def test_a_stale_stored_program_is_never_loaded(store, messages):
+    global SCALE
+    _train()
+    nitro_ipy.cache_reset()
+    messages.clear()
+    old = SCALE
+    SCALE = 3.0  # the helper's global moved: grad and eval depend on it, opt does not
+    try:
+        _train()
+    finally:
+        SCALE = old
+    lines = _compiles(messages)
+    assert [(t.split()[2], "from disk" in t) for t in lines] == [("grad", False), ("opt", True), ("eval", False)]
+
+
+def test_closure_records_round_trip_and_still_see_drift(store):
+    global SCALE
+    _train()
+    entry = next(e for e in nitro_ipy._cache.live_entries() if e.kind == "grad")
+    records = json.loads(json.dumps(nitro_ipy._closure.closure_records(entry.closure)))
+    rebuilt = nitro_ipy._closure.closure_from_records(records)
+    assert rebuilt.names() == entry.closure.names()
+    assert rebuilt.drift({}) == []
+    old, SCALE = SCALE, 5.0
+    try:
+        assert rebuilt.drift({}) == [f"{__name__}.SCALE"]
+    finally:
+        SCALE = old
+
+
+def _rewrite(path, edit_header=None, payload=None):
+    blob = path.read_bytes()
+    header, body = _store.read_header(blob)
+    if edit_header:
+        edit_header(header)
+    head = json.dumps(header).encode()
+    path.write_bytes(b"NITROPS1" + struct.pack(">Q", len(head)) + head + (body if payload is None else payload))
+
+
+def _foreign_version(h):
+    h["validity"]["versions"]["jaxlib"] = "0.0.1"
+
+
+def _foreign_cpu(h):
+    h["validity"]["cpu"] = "0" * 16
+
+
+DAMAGES = [
+    (lambda p: p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 2]), "truncated"),
+    (lambda p: p.write_bytes(p.read_bytes()[:-10] + b"\0" * 10), "corrupt (checksum mismatch)"),
+    (lambda p: p.write_bytes(b"garbage"), "not a nitro_ipy program file"),
+    (lambda p: p.write_bytes(b"NITROPS1" + struct.pack(">Q", 5) + b"{nope"), "corrupt header"),
+    (lambda p: _rewrite(p, _foreign_version), "foreign: written by jaxlib 0.0.1, this is jaxlib "),
+    (lambda p: _rewrite(p, _foreign_cpu), "foreign: written on a CPU with other features"),
+]
+
+
+def test_bad_files_are_refused_deleted_and_reported_once(store, messages):
+    _train()
+    grad = next(e for e in nitro_ipy._cache.live_entries() if e.kind == "grad")
+    path = store / "programs" / (_store.key_digest(grad.key) + ".nxp")
+    for damage, reason in DAMAGES:
+        damage(path)
+        nitro_ipy.cache_reset()
+        messages.clear()
+        n = _train()
+        refused = [m for m in messages if m.kind == _report.Kind.STORE_REFUSED]
+        assert len(refused) == 1, reason
+        assert refused[0].data["reason"].startswith(reason)
+        assert refused[0].text.startswith(f"nitro_ipy: stored program {path.name} refused (")
+        assert [(t.split()[2], "from disk" in t) for t in _compiles(messages)] == [
+            ("grad", False), ("opt", True), ("eval", True)]
+        assert np.isfinite(n.history[0]["loss"])
+        _store.read_header(path.read_bytes())  # deleted, then written again whole by the fresh compile
+    # Said once: the same bad file with the same fault again is deleted silently.
+    DAMAGES[0][0](path)
+    nitro_ipy.cache_reset()
+    messages.clear()
+    _train()
+    assert [m for m in messages if m.kind == _report.Kind.STORE_REFUSED] == []
+
+
+def test_a_directory_others_can_write_to_is_refused(tmp_path, monkeypatch, messages):
+    open_dir = tmp_path / "shared"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    with pytest.raises(nitro_ipy.NitroValueError, match=r"refusing the program store .*writable by others \(mode 777\).*chmod 700"):
+        nitro_ipy.set_cache_dir(open_dir)
+    monkeypatch.setenv("NITRO_IPY_CACHE_DIR", str(open_dir))
+    _train()
+    _train()
+    off = [m for m in messages if m.kind == _report.Kind.STORE_OFF]
+    assert len(off) == 1 and "writable by others" in off[0].text
+    assert not (open_dir / "programs").exists()
+
+
+def test_off_by_none_or_empty_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("NITRO_IPY_CACHE_DIR", "")
+    assert nitro_ipy.cache_dir() is None
+    monkeypatch.setenv("NITRO_IPY_CACHE_DIR", str(tmp_path / "c"))
+    assert nitro_ipy.cache_dir() == str(tmp_path / "c")
+    nitro_ipy.set_cache_dir(None)
+    try:
+        _train()
+        assert nitro_ipy.cache_dir() is None
+        assert not (tmp_path / "c").exists()
+    finally:
+        _store._override = _store._UNSET
+
+
+def test_the_store_is_capped_least_recently_used_first(store):
+    _train()
+    import shutil
+
+    shutil.rmtree(store / "xla", ignore_errors=True)  # JAX's own cache files count toward the cap too
+    files = _files(store)
+    sizes = {p: p.stat().st_size for p in files}
+    for age, p in enumerate(files):  # oldest first in this order
+        os.utime(p, (1000 + age, 1000 + age))
+    keep = sizes[files[-1]] + sizes[files[-2]]
+    assert _store.evict(str(store / "programs"), cap=keep) == 1
+    assert _files(store) == files[1:]
+
+
+def test_a_program_with_a_host_callback_goes_through_jax_cache(store, messages):
+    @dataclasses.dataclass
+    class Printing(Tiny):
+        def loss(self, outputs, *, y):
+            jax.debug.callback(lambda v: None, outputs[0])
+            return jnp.mean((outputs - y) ** 2)
+
+    _train(Printing())
+    fallback = [m for m in messages if m.kind == _report.Kind.STORE_FALLBACK]
+    assert [m.data["program"] for m in fallback] == ["grad", "eval"]
+    assert fallback[0].text.startswith("nitro_ipy: the `grad` program cannot be stored (it calls back into Python")
+    assert f"JAX's persistent compilation cache in {store / 'xla'}" in fallback[0].text
+    assert jax.config.jax_compilation_cache_dir == str(store / "xla")
+    assert len(_files(store)) == 1  # the optimizer program only
+
+
+def test_reset_disk_magic_clears_and_stats_show_the_store(store):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "nitro_ipy")
+    try:
+        _train()
+        assert "nitro_ipy program store: 3 programs" in repr(ip.run_line_magic("nitro_stats", ""))
+        ip.run_line_magic("nitro_reset", "--disk")
+        assert _files(store) == []
+        assert nitro_ipy.cache_stats() == (0, 0, 0)
+    finally:
+        ip.run_line_magic("unload_ext", "nitro_ipy")
+
+
+CHILD = textwrap.dedent('''
+    import dataclasses, json, sys
+    import jax, jax.numpy as jnp, numpy as np, optax
+    import nitro_ipy
+    from nitro_ipy import GraphConst, Device, Nitro
+
+    SCALE = {scale}
+
+    def helper(x):
+        return jnp.tanh(x) * SCALE
+
+    @dataclasses.dataclass
+    class Regression:
+        hidden: GraphConst[int] = 8
+        lr: Device[float] = 1e-2
+
+        def init(self, rng):
+            k1, k2 = jax.random.split(rng)
+            return {{"w1": jax.random.normal(k1, (3, self.hidden)) * 0.5,
+                     "w2": jax.random.normal(k2, (self.hidden,)) * 0.5}}
+
+        def forward(self, params, *, x):
+            return helper(x @ params["w1"]) @ params["w2"]
+
+        def loss(self, outputs, *, y):
+            return jnp.mean((outputs - y) ** 2)
+
+        def optimizer(self):
+            return optax.adam(self.lr)
+
+    x = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
+    data = {{"train": {{"x": x, "y": np.sin(x.sum(1))}}, "valid": {{"x": x[:16], "y": np.sin(x[:16].sum(1))}}}}
+    n = Nitro(Regression(), data=data, batch_size=16, max_epochs=1, progress=False)
+    n.train()
+    print("RESULT", json.dumps({{"stats": list(nitro_ipy.cache_stats()), "history": n.history}}))
+''')
+
+
+def _child(tmp_path, store, scale):
+    script = tmp_path / f"child_{scale}.py"
+    script.write_text(CHILD.format(scale=scale))
+    env = {**os.environ, "NITRO_IPY_CACHE_DIR": str(store)}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    compiles = [(l.split()[2], "from disk" in l) for l in lines if l.startswith("nitro_ipy: compiled ")]
+    result = json.loads(next(l for l in lines if l.startswith("RESULT "))[7:])
+    return compiles, result
+
+
+def test_restart_loads_every_program_and_an_edit_recompiles_exactly_the_drifted(tmp_path):
+    store = tmp_path / "cache"
+    store.mkdir(mode=0o700)
+    cold, first = _child(tmp_path, store, 2.0)
+    assert cold == [("grad", False), ("opt", False), ("eval", False)]
+    warm, second = _child(tmp_path, store, 2.0)
+    assert warm == [("grad", True), ("opt", True), ("eval", True)]  # nothing traced, nothing compiled
+    assert second == first  # same counts (3 misses, 3 entries), same losses
+    assert first["stats"][1:] == [3, 3]
+    edited, third = _child(tmp_path, store, 3.0)  # the helper's global changed between the processes
+    assert edited == [("grad", False), ("opt", True), ("eval", False)]
+    assert third["stats"][1:] == [3, 3]
