@@ -103,7 +103,7 @@ class Clock:
 def nitro_epoch(n) -> tuple:
     with Clock() as c:
         n.train()
-        jax.block_until_ready((n.params, n.state))
+        jax.block_until_ready((n.params, n.opt_state))
     return c.wall, c.cpu
 
 
@@ -248,7 +248,7 @@ def edit_cycles(cells, name, cfg, n, b) -> dict:
                 n = n.rebuild()
                 t_rebuild = time.perf_counter() - clock.t0
                 n.train()
-                jax.block_until_ready((n.params, n.state))
+                jax.block_until_ready((n.params, n.opt_state))
             new = [e for e in _cache.live_entries() if id(e) not in before]
             misses = nitro_ipy.cache_stats().misses - misses0
             if [e.kind for e in new] != ["grad"]:  # an edit nitro did not see would time a stale program

@@ -4,8 +4,9 @@
    (the cache holding a trained model's programs, as in a working session). Reports the added
    microseconds per cell. Target: < 50 us.
 2. Live panel: a training epoch of a tiny MLP (dispatch-bound, the worst case for any per-event cost) with
-   the panel attached to the cache callbacks and the notebook message sink installed, against the same
-   epoch without them. Target: < 2 %.
+   the panel shown (figures, loss chart as SVG, display updates) and attached to the cache callbacks, and
+   the notebook message sink installed (so `train()` draws its HTML progress display, updated at sync
+   points), against the same epoch with the terminal's text reporter. Target: < 2 %.
    The panel's own work per epoch (refreshes x microseconds per refresh) is what the target is judged on:
    the ratio measures it plus timing noise, and an A/A run (the same epoch against itself) shows how much
    noise there is on this machine. Also reports what the panel would cost at the throttle's ceiling (4
@@ -126,7 +127,8 @@ def bench_panel(ip, steps: int, rounds: int) -> dict:
         return time.perf_counter() - t0
 
     panel = Panel()
-    sink = RichSink(ip, _report.sink())
+    panel.show()  # shown, so every refresh renders the figures and the SVG chart and sends display updates
+    sink = RichSink(ip, _report.sink())  # the notebook sink: train() draws its HTML progress display too
     sink.panel = panel
 
     refreshes = []
@@ -146,8 +148,10 @@ def bench_panel(ip, steps: int, rounds: int) -> dict:
     aa = H.aa_ratio(epoch, rounds, pause_gc=True, best=True)  # how far apart two identical sides land here
     panel.close()
 
-    # One refresh that changes a value (what a training update does), timed on its own.
+    # One refresh that changes a value (what a training update does), timed on its own: the figures, the
+    # chart of the last epoch's sync points as SVG, and the display update.
     panel = Panel(min_interval=0)
+    panel.show()
     costs = []
     for i in range(200):
         _cache.count_hit(_cache.live_entries()[0])  # a new figure to send

@@ -100,7 +100,7 @@ def probe_loop(cells):
         nitro_ipy.cache_reset()
         n, data, ent = handle_for(cells, cfg, steps, name=f"Loop{label}")
         grad, opt = ent["grad"], ent["opt"]
-        g_out = grad.call(n.params, n._dev, {k: v[: cfg["batch"]] for k, v in data.items()})
+        g_out = grad.call(n._params, None, n._dev, {k: v[: cfg["batch"]] for k, v in data.items()}, None)
         real = grad.call, opt.call
         grad.call = lambda p, d, b: g_out
         opt.call = lambda p, g, s, d: (p, s)
@@ -134,7 +134,7 @@ def probe_dispatch(cells):
         step, opt = cells.define_baseline()
         p0 = M.init_mlp(jax.random.PRNGKey(0), cfg["in_dim"], cfg["width"], cfg["depth"])
         bst = [p0, opt.init(p0)]
-        nst = [n.params, n.state]
+        nst = [n._params, n._opt_state]
         dev = n._dev
         sync = lambda: jax.block_until_ready((nst, bst))
 
@@ -145,15 +145,15 @@ def probe_dispatch(cells):
 
         def nit(batch, g, o):
             def f():
-                fg, _ = g(nst[0], dev, batch)
+                fg, _, _ = g(nst[0], None, dev, batch, None)
                 nst[0], nst[1] = o(nst[0], fg, nst[1], dev)
             return f
 
-        fg0 = G(nst[0], dev, xd)[0]
+        fg0 = G(nst[0], None, dev, xd, None)[0]
         last = [fg0]
 
         def grad_only():  # waits for its output: the timed loop's sync only covers params and state
-            last[0] = G(nst[0], dev, xd)[0]
+            last[0] = G(nst[0], None, dev, xd, None)[0]
             jax.block_until_ready(last[0])
 
         def opt_only():
@@ -191,13 +191,13 @@ def probe_recorder(cells):
     nitro_ipy.cache_reset()
     n, data, _ = handle_for(cells, DEEP, 8, name="Rec")
     batch = {k: v[: DEEP["batch"]] for k, v in data.items()}
-    args = (n.params, n._dev, batch)
+    args = (n._params, None, n._dev, batch, None)
     modes = ["monitoring", "traceback"] if sys.version_info >= (3, 12) else ["traceback", "profile"]
     functions = {}
 
     def first_call(mode):
         """As `compile_program` does: record the trace (or not), lower, compile. -> (trace+lower, XLA) s"""
-        fn = _programs.make_gradient(n._view, n._forward, n._loss, ("x",), ("y",), n._layout, 1)
+        fn = _programs.make_gradient(n._view, n._forward, n._loss, ("x",), ("y",), n._model, 1)
         if mode is not None:
             os.environ["NITRO_IPY_RECORDER"] = mode
         try:
@@ -251,8 +251,8 @@ def probe_optflags(cells):
     nitro_ipy.cache_reset()
     n, _, ent = handle_for(cells, DEEP, 8, name="Flags")
     layout, dev = n._layout, n._dev
-    fn = _programs.make_optimizer(n._view, n._optimizer, layout)
-    params, state = n.params, n.state
+    fn = _programs.make_optimizer(n._view, n._optimizer, n._model)
+    params, state = n._params, n._opt_state
     flat = layout.ravel(params)
     tx = optax.adam(1e-3)
     progs, out = {}, {}
@@ -317,7 +317,7 @@ def probe_rebuild(cells):
         t0 = time.perf_counter()
         n = n.rebuild()
         times.append(time.perf_counter() - t0)
-    tree = (n.params, n.state)
+    tree = (n._params, n._opt_state)
     ways = {
         "tree.map(x.copy()) (now)": lambda t: jax.tree.map(lambda x: x.copy(), t),
         "jax.device_put(tree, may_alias=False)": lambda t: jax.device_put(t, may_alias=False),

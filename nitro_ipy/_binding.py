@@ -14,11 +14,13 @@ import numpy as np
 import optax
 
 from . import _closure
+from ._checks import check_positional_not_a_field, check_schedule_value, check_schedules_arg
 from ._data import check_splits
 from ._errors import NitroTypeError, NitroValueError
 from ._fields import CompileView, GraphConstPrints, field_kinds, graphconst_prints, short_repr
 from ._fingerprint import Unfingerprintable, code_fingerprint, fingerprint, function_fingerprint
 from ._hooks import batch_fields, hook, live_class, metric_hooks
+from ._model import reserved_params
 
 
 def _default_optimizer(self):
@@ -59,6 +61,16 @@ class Binding:
     device_host: dict  # {Device field: strongly typed numpy value}
     schedules: dict  # {Device field: fn(step) -> value}
     splits: dict  # {split name: {batch field: array}}
+    reserved: dict  # {hook name: frozenset of the reserved parameters (`rng`, `train`, `state`) it declares}
+
+    @property
+    def has_state(self) -> bool:
+        """`forward` declares `state`: `init` returns `(params, state)`, `forward` `(outputs, new_state)`."""
+        return "state" in self.reserved["forward"]
+
+    @property
+    def wants_rng(self) -> bool:
+        return "rng" in self.reserved["forward"]
 
     def view(self, dev) -> CompileView:
         """The `self` traced hooks see, with Device values `dev` (traced arrays inside a program)."""
@@ -112,6 +124,12 @@ class Binding:
                 )
             dev[name] = value
 
+    def first_schedules(self, dev: dict, step: int):
+        """`apply_schedules` with each value checked (type, dtype, shape, finite): the first step of a
+        `train()`, before anything compiles. Later steps are checked on device (`_guard`)."""
+        for name, fn in self.schedules.items():
+            dev[name] = check_schedule_value(self.cls, name, fn, step, self.device_host[name])
+
 
 def bind(e, data=None, schedules: dict | None = None) -> Binding:
     """Bind experiment `e` through its live class.
@@ -145,14 +163,18 @@ def bind(e, data=None, schedules: dict | None = None) -> Binding:
     hooks = (("init", init), ("forward", forward), ("loss", loss), ("optimizer", optimizer),
              *((n, f) for n, (f, _) in metrics.items()))
     hook_fps = {name: _hook_fingerprint(fn) for name, fn in hooks if fn is not None}
+    reserved = {name: reserved_params(cls, name, fn) for name, fn in hooks[1:] if fn is not None}
 
     if data is None and hook(cls, "data", required=False) is not None:
         data = cls.data(e)
     splits = check_splits(data)
     _check_routes(cls, splits, routes, loss is not None)
+    check_positional_not_a_field(cls, forward, "forward", "params", splits)
+    if loss is not None:
+        check_positional_not_a_field(cls, loss, "loss", "outputs", splits)
 
     device_host = {n: _device_value(cls, n, getattr(e, n)) for n, k in kinds.items() if k == "Device"}
-    schedules = dict(schedules or {})
+    schedules = check_schedules_arg(schedules)
     _check_schedules(cls, schedules, device_host)
 
     return Binding(
@@ -160,7 +182,7 @@ def bind(e, data=None, schedules: dict | None = None) -> Binding:
         init=init, forward=forward, loss=loss, optimizer=optimizer, metrics=metrics,
         hook_fps=hook_fps, routes=routes, graphconst=graphconst,
         hosts=tuple(n for n, k in kinds.items() if k == "Host"),
-        device_host=device_host, schedules=schedules, splits=splits,
+        device_host=device_host, schedules=schedules, splits=splits, reserved=reserved,
     )
 
 

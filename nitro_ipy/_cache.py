@@ -202,7 +202,7 @@ def generation() -> int:
 # "compile" (entry): a program was stored; "reset" (): `cache_reset()` ran; "progress" (): a training
 # handle reached one of its periodic sync points (about every 0.25 s, never per step); "run" (run): a
 # background run (`_runs.Run`) started or ended (`run.done` tells which), published from the thread
-# that started or ran it, so a subscriber only sets flags.
+# that started or ran it, so a subscriber only sets flags; the live panel shows its Stop button, calling `run.stop()`.
 EVENTS = ("compile", "reset", "progress", "run")
 _subscribers: dict[str, list[Callable]] = {event: [] for event in EVENTS}
 

@@ -44,24 +44,13 @@ def handle_state(n) -> dict:
 
     `opt_state` is the optimizer state; `model_state` is the model's own state (batch statistics), None
     when the model has none."""
-    opt_state = getattr(n, "_opt_state", None)
-    if opt_state is None:
-        opt_state = n._state  # until model state lands, `_state` is the optimizer state
-        model_state = getattr(n, "_model_state", None)
-    else:
-        model_state = n._state
-    return {"params": n._params, "model_state": model_state, "opt_state": opt_state}
+    return {"params": n._params, "model_state": n._model_state, "opt_state": n._opt_state}
 
 
 def set_handle_state(n, state: dict) -> None:
     """Put `state` (as `handle_state` names it) back on handle `n`."""
     n._params = state["params"]
-    if hasattr(n, "_opt_state"):
-        n._opt_state, n._state = state["opt_state"], state["model_state"]
-    else:
-        n._state = state["opt_state"]
-        if state["model_state"] is not None:
-            n._model_state = state["model_state"]
+    n._opt_state, n._model_state = state["opt_state"], state["model_state"]
 
 
 # ---------------------------------------------------------------- the manifest
@@ -295,7 +284,8 @@ def restore(n, path) -> None:
             if tuple(np.shape(old)) != tuple(new.shape):
                 raise NitroValueError(f"cannot resume from `{path}`: a `{group}` array is {list(new.shape)} "
                                       f"there and {list(np.shape(old))} here.")
-        state[group] = None if tree is None else jax.device_put(jax.tree_util.tree_unflatten(treedef, arrays))
+        # Each array where the live one is (on a mesh: replicated or sharded as the handle placed it).
+        state[group] = None if tree is None else n._place.like(jax.tree_util.tree_unflatten(treedef, arrays), tree)
     set_handle_state(n, state)
     n.step, n.epoch, n.seed = info["step"], info["epoch"], info["seed"]
     n.history.clear()  # the handle's own history object (a list of rows), refilled

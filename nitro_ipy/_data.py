@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from ._checks import check_column
 from ._errors import NitroTypeError, NitroValueError
 
 
@@ -27,6 +28,7 @@ def check_splits(data) -> dict[str, dict[str, np.ndarray]]:
                 arr = np.asarray(value)
             except Exception as err:
                 raise NitroTypeError(f"field `{name}` of split `{split}` is not array-like: {err}") from None
+            check_column(split, name, arr, value)
             if arr.ndim == 0:
                 raise NitroValueError(
                     f"field `{name}` of split `{split}` is a scalar; every field needs a leading example axis."

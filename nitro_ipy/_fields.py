@@ -287,7 +287,8 @@ def _hashable_fingerprint(name: str, value) -> str:
     try:
         # The fingerprint is the authority; `==` only has to not contradict it. Containers of
         # arrays raise on `bool(==)`, which is no contradiction.
-        equal = _is_arraylike(value) or bool(twin == value)
+        # A value unequal to itself (a NaN float) has a non-reflexive `==`, not an identity one.
+        equal = _is_arraylike(value) or bool(twin == value) or not bool(value == value)
     except Exception:
         equal = True
     if not equal:

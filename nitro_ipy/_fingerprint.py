@@ -12,6 +12,7 @@ import math
 import struct
 import sys
 import types
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -138,7 +139,7 @@ class _Hasher:
             self.text(str(len(v)))
             for i, item in enumerate(v):
                 self.value(item, f"{path}[{i}]")
-        elif isinstance(v, dict):
+        elif isinstance(v, (dict, Mapping)):  # a content-hashable mapping (flax's HashableMapping) too
             self.tag(b"dict")
             self.text(_qualname(t) if t is not dict else "dict")
             pairs = sorted((self.sub(k, f"{path} key {k!r}"), self.sub(item, f"{path}[{k!r}]")) for k, item in v.items())

@@ -4,30 +4,31 @@ Setup binds the experiment (`_binding.py`); programs are keyed from the spec tab
 builders (`_programs.py`); the epoch loop lives in `_loop.py`. The handle owns the side effects
 (counters, messages) and the state that training advances.
 
-Internal names other code relies on (benchmarks/profile_handle.py, bench_staleness.py): `_params`,
-`_state`, `_dev` (the Device values the programs get), `_layout`, `_programs` (key -> Entry this handle
-runs), `_enter()`, `_run` (the background run training it, or None), and `_view`, `_forward`, `_loss`,
-`_optimizer`, which forward to the binding.
+Internal names other code relies on (benchmarks/profile_handle.py, bench_staleness.py): `_params` (the
+dynamic params tree, `_model.ParamSplit`), `_model_state`, `_opt_state`, `_model`, `_dev` (the Device values
+the programs get), `_layout`, `_programs` (key -> Entry this handle runs), `_enter()`, `_run` (the
+background run training it, or None), and `_view`, `_forward`, `_loss`, `_optimizer`, which forward to the
+binding.
 """
 
 import jax
 import numpy as np
 
-from . import _cache, _checkpoint, _closure, _compile, _loop, _report, _runs, _store
+from . import _cache, _checkpoint, _closure, _compile, _html, _loop, _progress, _report, _runs, _store
 from ._binding import bind
+from ._checks import (check_metric_count, check_metric_result, check_metric_sum_shape, check_not_empty,
+                      check_on_nonfinite)
 from ._data import check_splits, eval_batches, split_len, steps_per_epoch
-from ._errors import NitroTypeError, NitroValueError
-from ._fields import short_repr
+from ._errors import NitroValueError
 from ._layout import FlatLayout, TreeLayout
-from ._programs import EVAL, GRAD, METRIC, OPT, PREDICT, program_key
+from ._model import Model, ParamSplit, check_given, check_state, run_init, strong
+from ._optimizer import init_optimizer
+from ._programs import EVAL, GRAD, METRIC, OPT, PREDICT, make_predict, program_key
 from ._report import Kind
 from ._sharding import in_mesh, placement
 
 
-def _strong(x):
-    """A fresh, strongly typed device copy: a Python scalar from `init` would otherwise be weakly typed,
-    and the optimizer's strongly typed output would move the key at step 2."""
-    return jax.device_put(np.asarray(x))
+_strong = strong  # the name benchmarks/profile_handle.py imports
 
 
 class Nitro:
@@ -47,10 +48,16 @@ class Nitro:
       one device); each batch is split along its `data_axis` (default `"data"`), which `batch_size` must
       divide. `param_sharding`: `(path, shape) -> PartitionSpec | None` to shard large parameters
       (needs `flat_params=False`); params and optimizer state are replicated otherwise. See docs/scale.md.
+    - `params`, `state`: start from these values (pretrained, checkpointed) instead of `init`'s; checked
+      against the structure, shapes and dtypes `init` builds (abstractly: no real init is paid).
     - `resume`: a checkpoint file (`n.save(path)`) to continue from, or `"auto"`: the newest checkpoint in
       `checkpoint_dir` (a fresh start when there is none). A changed GraphConst field is refused.
     - `checkpoint_dir`, `checkpoint_every` (epochs), `keep` (newest checkpoints kept; None: all),
       `keep_best` (`(metric, "min" | "max")`, e.g. `("valid_loss", "min")`: that one is kept too).
+    - `on_nonfinite`: what a step with a NaN or infinite loss, gradient or Device value does. Either way
+      its update is never applied (checked on device, inside the optimizer program). `"raise"` (default):
+      training stops with `NonFiniteLossError` naming the step and the cause, the handle holding the last
+      finite parameters; `"skip"`: the step is skipped and counted (`skipped` on the epoch line).
     - `stop_when`: `(metric, "min" | "max", patience)`: early stopping on an epoch row's metric, e.g.
       `("valid_loss", "min", 3)`; the row where it fires says so in `row["stopped"]`.
     """
@@ -70,18 +77,21 @@ class Nitro:
         mesh=None,
         data_axis: str = "data",
         param_sharding=None,
+        params=None,
+        state=None,
         resume=None,
         checkpoint_dir=None,
         checkpoint_every: int | None = None,
         keep: int | None = None,
         keep_best: tuple | None = None,
+        on_nonfinite: str = "raise",
         stop_when: tuple | None = None,
     ):
         options = dict(
             data=data, batch_size=batch_size, max_epochs=max_epochs, accum=accum,
             schedules=schedules, seed=seed, progress=progress, flat_params=flat_params,
             mesh=mesh, data_axis=data_axis, param_sharding=param_sharding,
-            stop_when=stop_when,
+            on_nonfinite=on_nonfinite, stop_when=stop_when,
         )
         # Checkpointing is checked before setup: a bad setting fails fast, before `init` runs.
         checkpoints = (None if checkpoint_every is None
@@ -93,19 +103,21 @@ class Nitro:
             resume = _checkpoint.newest(checkpoint_dir)
         options["checkpoints"] = checkpoints
         _store.activate()  # before setup: its eager operations compile too
-        self._setup(e, options, carry=None)
+        given = None if params is None and state is None else (params, state)
+        self._setup(e, options, carry=None, given=given)
         if resume is not None:
             _checkpoint.restore(self, resume)
 
     @classmethod
     def _carrying(cls, e, options: dict, carry: tuple) -> "Nitro":
-        """A handle set up with `options` whose params, optimizer state, step and epoch are `carry`."""
+        """A handle set up with `options` whose `(params, model state, optimizer state, step, epoch)` are
+        `carry` (`params` the user's tree; optimizer state None to initialize it)."""
         n = cls.__new__(cls)
         n._setup(e, options, carry)
         return n
 
-    @in_mesh(lambda self, e, options, carry: options["mesh"])
-    def _setup(self, e, options: dict, carry: tuple | None):
+    @in_mesh(lambda self, e, options, carry, given=None: options["mesh"])
+    def _setup(self, e, options: dict, carry: tuple | None, given: tuple | None = None):
         batch_size, max_epochs, accum = options["batch_size"], options["max_epochs"], options["accum"]
         for name, value in (("batch_size", batch_size), ("max_epochs", max_epochs), ("accum", accum)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
@@ -113,6 +125,7 @@ class Nitro:
         self.batch_size, self.max_epochs, self.accum = int(batch_size), int(max_epochs), int(accum)
         self.seed, self.progress, self.flat_params = options["seed"], options["progress"], options["flat_params"]
         self._options = options
+        self.on_nonfinite = check_on_nonfinite(options.get("on_nonfinite", "raise"))
         # Where arrays live (one device, or a mesh): asked at setup, per batch and per compile.
         self._place = place = placement(options["mesh"], options["data_axis"], options["param_sharding"])
         place.check_batch_size(self.batch_size)
@@ -123,23 +136,46 @@ class Nitro:
         self._dev = place.replicate({n: jax.device_put(v) for n, v in b.device_host.items()})
 
         if carry is not None:
-            params, opt_state, self.step, self.epoch = carry
-            # One transfer for every buffer, no per-shape copy programs: the old handle keeps its own.
-            self._params, opt_state = jax.device_put((params, opt_state), may_alias=False)
-        else:
-            rng = jax.random.PRNGKey(self.seed)
-            self._params = jax.tree.map(_strong, b.init(b.experiment, rng))
+            params, state, opt_state, self.step, self.epoch = carry
+            if opt_state is not None:  # a rebuild: one transfer for every buffer, no per-shape copy
+                # programs; the old handle keeps its own
+                params, state, opt_state = jax.device_put((params, state, opt_state), may_alias=False)
+        elif given is not None:
+            params, state = check_given(b, jax.random.PRNGKey(self.seed), *given)
             opt_state, self.step, self.epoch = None, 0, 0
-        self._params = place.params(self._params)
-        place.check_layout(self.flat_params)
-        self._layout = (FlatLayout if self.flat_params else TreeLayout)(self._params)
-        if opt_state is None:
-            tx = b.optimizer(b.view(self._dev))
-            opt_state = tx.init(self._layout.ravel(self._params))
-            self._state = jax.tree.map(_strong, opt_state) if place.mesh is None else place.opt_state(opt_state)
         else:
-            self._state = place.opt_state(opt_state)
-        self._settings = {"accum": self.accum, "layout": self._layout.signature}  # what specs' options name
+            params, state = run_init(b, jax.random.PRNGKey(self.seed))
+            opt_state, self.step, self.epoch = None, 0, 0
+        if state is not None:
+            check_state(state)
+        split = ParamSplit(params)  # refuses, at setup, a leaf neither array nor static, naming its path
+        on_mesh = place.mesh is not None  # a mesh's placement makes leaves strong itself, with no host copy
+        dynamic = split.dynamic(params)
+        # The dynamic tree (static leaves are None, so a `param_sharding` rule never sees them) is placed.
+        self._params = place.params(jax.tree.map(_strong, dynamic) if opt_state is None and not on_mesh else dynamic)
+        place.check_layout(self.flat_params)
+        if state is not None:
+            state = place.state(state) if on_mesh else jax.tree.map(_strong, state)
+        self._model_state = state
+        trainable = split.trainable(self._params)
+        self._layout = (FlatLayout if self.flat_params else TreeLayout)(trainable)
+        self._model = Model(split, self._layout, b.has_state, b.reserved)
+        if opt_state is None:
+            opt_state = init_optimizer(b, self._layout, trainable, self._dev)
+            opt_state = place.opt_state(opt_state) if on_mesh else jax.tree.map(_strong, opt_state)
+        else:
+            opt_state = place.opt_state(opt_state)
+        self._opt_state = opt_state
+        self._settings = {"accum": self.accum, "layout": self._layout.signature, "statics": split.signature,
+                          "on_nonfinite": self.on_nonfinite}  # what specs' options name
+        # The rng argument of the gradient program: `[seed, step]` (replicated on a mesh), or None when no
+        # hook wants `rng`.
+        if not b.wants_rng:
+            self._seed_step = lambda step: None
+        elif on_mesh:
+            self._seed_step = lambda step: place.replicate(np.array([self.seed, step], np.uint32))
+        else:
+            self._seed_step = lambda step: np.array([self.seed, step], np.uint32)
 
         self._programs: dict = {}  # key -> Entry: what this handle runs (kept even if poisoned)
         self._kinds_seen: dict = {}  # kind -> key of the first program of that kind
@@ -152,13 +188,20 @@ class Nitro:
     # ---------------------------------------------------------------- state
     @property
     def params(self):
-        """The current parameters (the pytree `init` returned, updated by training)."""
-        return self._params
+        """The current parameters: the pytree `init` returned (an Equinox module, Flax variables, a dict),
+        updated by training, static leaves included."""
+        return self._model.split.combine(self._params)
 
     @property
     def state(self):
+        """The model state (batch statistics, say): the second value `init` returned when `forward`
+        declares `state`, updated by every training step; None when the model has none."""
+        return self._model_state
+
+    @property
+    def opt_state(self):
         """The optimizer state (over the flat parameter buffers unless `flat_params=False`)."""
-        return self._state
+        return self._opt_state
 
     def save(self, path) -> str:
         """Write a checkpoint (params, model and optimizer state, step, epoch, seed, history and the
@@ -167,10 +210,13 @@ class Nitro:
         return _checkpoint.save(self, path)
 
     def rebuild(self) -> "Nitro":
-        """A new handle on the same experiment with the current state carried over and hooks re-bound
-        through the class as it is now: the way to pick up an edit."""
+        """A new handle on the same experiment with the current params, model state and optimizer state
+        carried over and hooks re-bound through the class as it is now: the way to pick up an edit."""
         _runs.check_idle(self, "rebuild")
-        return Nitro._carrying(self.experiment, self._options, (self._params, self._state, self.step, self.epoch))
+        carry = (self.params, self._model_state, self._opt_state, self.step, self.epoch)
+        new = Nitro._carrying(self.experiment, self._options, carry)
+        new.__dict__["_curve"] = list(self.__dict__.get("_curve", ()))  # the loss chart goes on where it was
+        return new
 
     def __repr__(self):
         return (
@@ -206,12 +252,12 @@ class Nitro:
         self._binding.check_graphconst_unchanged()
         entry = _cache.lookup(key)
         if entry is None:
-            fn = spec.build(self._binding, self._layout, self.accum, hook, **fields)
+            fn = spec.build(self._binding, self._model, self.accum, hook, **fields)
             entry = _compile.compile_program(key, fn, args, donate_argnums=spec.donate,
                                              info={"graphconst": self._binding.graphconst.info},
                                              record=_closure.record, compiler_options=spec.compiler_options,
                                              sources=self._binding.graphconst_sources,
-                                             out_shardings=self._place.out_shardings(spec.kind, args))
+                                             out_shardings=self._place.out_shardings(spec.kind, args, self._model))
             first = self._kinds_seen.get(key.kind)
             if spec.loops and first is not None and first.hooks == key.hooks and key.kind not in self._loops_reported:
                 self._loops_reported.add(key.kind)
@@ -222,11 +268,12 @@ class Nitro:
 
     def _grad_entry(self, batch):
         routes = self._binding.routes
-        return self._resolve(GRAD, (self._params, self._dev, batch),
-                             inputs=routes["forward"].pick(batch), targets=routes["loss"].pick(batch))
+        args = (self._params, self._model_state, self._dev, batch, self._seed_step(self.step))
+        return self._resolve(GRAD, args, inputs=routes["forward"].pick(batch), targets=routes["loss"].pick(batch))
 
-    def _opt_entry(self, flat_grads):
-        return self._resolve(OPT, (self._params, flat_grads, self._state, self._dev))
+    def _opt_entry(self, flat_grads, loss, guard):
+        return self._resolve(OPT, (self._params, flat_grads, self._opt_state, self._dev, loss, guard),
+                             halt=self.on_nonfinite == "raise")
 
     # ---------------------------------------------------------------- entry points
     def _enter(self, what: str = "this entry point"):
@@ -265,6 +312,22 @@ class Nitro:
 
     @in_mesh()  # here, not on `train`: a background run trains in its own thread
     def _train_epochs(self, control, split: dict, fields, steps: int, epochs: int) -> list[dict]:
+        # This call's progress report (None with `progress=False`); the loop reads it from the handle.
+        progress = self.__dict__["_progress"] = _progress.start(self, epochs, steps, quiet=control.quiet)
+        try:
+            rows = self._epochs(control, split, fields, epochs, progress)
+        except BaseException as err:
+            if progress is not None:
+                progress.close(err)
+            raise
+        finally:
+            self.__dict__["_progress"] = None
+        if progress is not None:
+            progress.close()
+        return rows
+
+    def _epochs(self, control, split: dict, fields, epochs: int, progress) -> list[dict]:
+        steps = control.steps
         b = self._binding
         rows = control.rows
         stopper = self._stop_when.fresh() if self._stop_when is not None else None
@@ -272,7 +335,10 @@ class Nitro:
             if control.pending:  # a stop asked for between epochs (during validation)
                 raise KeyboardInterrupt
             control.begin_epoch()
-            row = {"epoch": self.epoch + 1, "loss": _loop.train_epoch(self, split, fields, steps, control)}
+            loss, skipped = _loop.train_epoch(self, split, fields, steps, control)
+            row = {"epoch": self.epoch + 1, "loss": loss}
+            if self.on_nonfinite == "skip":
+                row["skipped"] = skipped
             self.epoch += 1
             # In the history before validation, so an interrupt there keeps the epoch's row.
             self.history.append(row)
@@ -284,6 +350,8 @@ class Nitro:
                 row["stopped"] = reason
             if self._checkpoints is not None:  # after validation: `keep_best` ranks by the row's metrics
                 self._checkpoints.after_epoch(self)
+            if progress is not None:
+                progress.end_epoch(row)
             if self.progress:
                 _report.emit(Kind.EPOCH, record=row)  # `record` is the EPOCH message's field name
             if row.get("stopped"):
@@ -296,6 +364,14 @@ class Nitro:
         run trains). A Host field is set on `n.experiment` (compiled code never reads it). A GraphConst
         field is refused: a new value means new programs (a new experiment, or an edit and `rebuild`)."""
         _runs.set_fields(self, values)
+
+    def plot(self) -> "_html.LossChart":
+        """The loss chart of this handle's training: train loss at each sync point (per epoch when it
+        trained with `progress=False`), validation loss per epoch, as the live panel draws it. Displays as
+        SVG in a notebook and as a one-line summary elsewhere."""
+        curve = self.__dict__.get("_curve") or [(r["epoch"], r["loss"]) for r in self.history]
+        valid = [(float(r["epoch"]), r["valid_loss"]) for r in self.history if "valid_loss" in r]
+        return _html.LossChart(curve, valid)
 
     @in_mesh()
     def validate(self) -> dict:
@@ -313,6 +389,7 @@ class Nitro:
         b = self._binding
         split = b.split(split_name)
         n = split_len(split)
+        check_not_empty(split_name, n, "evaluating it")
         inputs = b.routes["forward"].pick(split)
         targets = b.routes["loss"].pick(split) if b.loss is not None else ()
         metric_fields = {name: b.routes[name].pick(split) for name in b.metrics}
@@ -324,7 +401,7 @@ class Nitro:
         for batch, n_valid in eval_batches(split, fields, self.batch_size):
             x = place.batch({k: batch[k] for k in inputs})
             t = place.batch({k: batch[k] for k in targets})
-            args = (self._params, self._dev, x, t, place.replicate(np.int32(n_valid)))
+            args = (self._params, self._model_state, self._dev, x, t, place.replicate(np.int32(n_valid)))
             if entry is None:
                 entry = self._resolve(EVAL, args, inputs=inputs, targets=targets)
             else:
@@ -348,6 +425,8 @@ class Nitro:
             out["loss"] = float(np.sum(np.asarray(place.host(loss_sums), np.float64)) / n)
         for name, (s, c) in sums.items():
             s, c = place.host(s), place.host(c)
+            if c is not None:
+                check_metric_count(split_name, name, c)
             value = np.asarray(s) / c if c is not None else np.asarray(s)
             out[name] = float(value) if np.ndim(value) == 0 else value
         return out
@@ -365,10 +444,14 @@ class Nitro:
                 f"`predict` needs the `forward` inputs {', '.join(f'`{m}`' for m in missing)}; got "
                 f"{', '.join(f'`{k}`' for k in split)}."
             )
+        if split_len(split) == 0:  # zero rows: empty outputs of the right shape, traced, never compiled
+            fn = make_predict(self._binding.view, self._binding.forward, self._model, self._binding.cls.__qualname__)
+            shapes = jax.eval_shape(fn, self._params, self._model_state, self._dev, {k: split[k] for k in names})
+            return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
         pieces = []
         entry = None
         for batch, n_valid in eval_batches(split, names, self.batch_size):
-            args = (self._params, self._dev, self._place.batch(batch))
+            args = (self._params, self._model_state, self._dev, self._place.batch(batch))
             if entry is None:
                 entry = self._resolve(PREDICT, args)
             else:
@@ -379,19 +462,10 @@ class Nitro:
 
 
 def _accumulate(sums: dict, hook_name: str, result):
-    if not isinstance(result, dict):
-        raise NitroTypeError(
-            f"metric hook `{hook_name}` must return `{{name: (sum, count)}}`; got {type(result).__qualname__}."
-        )
-    for name, pair in result.items():
-        if not (isinstance(pair, tuple) and len(pair) == 2):
-            raise NitroTypeError(
-                f"metric `{name}` from hook `{hook_name}` must be a `(sum, count)` pair (count None to "
-                f"never divide); got {short_repr(pair)}."
-            )
-        s, c = pair
+    for name, (s, c) in check_metric_result(hook_name, result).items():
         if name in sums:
             s0, c0 = sums[name]
+            check_metric_sum_shape(hook_name, name, s0, s)
             sums[name] = (s0 + s, None if c is None else c0 + c)
         else:
             sums[name] = (s, c)

@@ -4,6 +4,7 @@ import inspect
 import types
 
 from ._errors import NitroTypeError
+from ._model import RESERVED
 from ._origin import class_namespace
 
 _REQUIRED = {
@@ -61,18 +62,19 @@ def hook(cls, name: str, required: bool = True):
 
 def batch_fields(cls, fn, n_positional: int) -> tuple[tuple[str, ...], tuple[str, ...], bool]:
     """`(required, optional, takes_all)` batch fields of hook `fn`, after its `n_positional` leading
-    parameters (`self, params` or `self, outputs`)."""
+    parameters (`self, params` or `self, outputs`). Keyword-only reserved parameters (`rng`, `train`,
+    `state`: `_model.reserved_params`) are not batch fields."""
     sig = inspect.signature(fn)
     params = list(sig.parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(positional) < n_positional and not any(p.kind is p.VAR_POSITIONAL for p in params):
-        want = {2: "(self, rng)" if fn.__name__ == "init" else "(self, params, **inputs)"}
-        shape = want.get(n_positional, "(self, outputs, **fields)")
+        shape = {"init": "(self, rng)", "forward": "(self, params, *, x)",
+                 "loss": "(self, outputs, *, y)"}.get(fn.__name__, "(self, outputs, **fields)")
         raise NitroTypeError(
             f"hook `{cls.__qualname__}.{fn.__name__}{sig}` takes too few positional parameters; "
             f"expected `{fn.__name__}{shape}`."
         )
-    rest = params[n_positional:]
+    rest = [p for p in params[n_positional:] if not (p.kind is p.KEYWORD_ONLY and p.name in RESERVED)]
     required, optional, takes_all = [], [], False
     for p in rest:
         if p.kind is p.VAR_KEYWORD:

@@ -1,8 +1,8 @@
 """The epoch loop: steps, the Ctrl-C gate, the progress bar and the loss checks.
 
-`train_epoch` advances a handle in place. It reads and writes the handle's `_params`, `_state` and `step`
-(a step's results are stored there before Ctrl-C may land) and resolves the two training programs
-through the handle's `_grad_entry` / `_opt_entry`, which key and maybe compile them.
+`train_epoch` advances a handle in place. It reads and writes the handle's `_params`, `_model_state`,
+`_opt_state` and `step` (a step's results are stored there before Ctrl-C may land) and resolves the two
+training programs through the handle's `_grad_entry` / `_opt_entry`, which key and maybe compile them.
 
 The steady-state loop is benchmarked at the microsecond level (a tiny MLP against a hand-written loop):
 calls it makes every step are bound to locals, and counters and messages wait for a sync point.
@@ -16,11 +16,10 @@ import time
 import jax
 import numpy as np
 
-from . import _cache
+from . import _cache, _guard
 from ._compat import compiled_in_avals, compiled_out_avals
 from ._data import train_batches
 from ._errors import NonFiniteLossError
-from ._sharding import is_main_process
 
 _SYNC_SECONDS = 0.25  # how often losses are checked, reuse counted and the live panel told
 
@@ -65,20 +64,26 @@ class InterruptGate:
             signal.signal(signal.SIGINT, previous)
 
 
-def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None = None) -> float:
+def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None = None) -> tuple:
     """One epoch of training on handle `n`.
 
     **Arguments:**
     - `n`: the handle; its parameters, optimizer state and step advance in place.
     - `split`: the train split; `fields`: the batch fields the programs take.
-    - `steps`: optimizer steps in the epoch (the progress bar's total).
+    - `steps`: optimizer steps in the epoch (the progress display's total).
     - `gate`: the train call's control (Ctrl-C, a stop request); default: a fresh `InterruptGate`.
 
-    **Returns:** the epoch's mean training loss. Raises `NonFiniteLossError` on a NaN or infinite loss.
+    **Returns:** `(mean training loss, skipped steps)`. With `on_nonfinite="raise"` a step with a NaN or
+    infinite loss, gradient or Device value raises `NonFiniteLossError` at the next sync point; the
+    optimizer program has kept the parameters of the last finite step (`_guard`).
     """
     place = n._place  # on a mesh, each batch is split along the data axis as it is drawn
     batches = place.batches(train_batches(split, fields, n.batch_size, n.accum, (n.seed, n.epoch)), n.accum > 1)
-    bar = None  # opened after the first step, so compile lines print above it, not through it
+    step0 = n.step
+    # The guard is a tiny int32 vector: replicated on a mesh, like every scalar the programs take.
+    n._guard = place.replicate(_guard.fresh(_guard.n_parts(n._layout, n._model.split.trainable(n._params), n._dev)))
+    settled = False
+    bar = None  # told after the first step, so compile lines print above it, not through it
     binding = n._binding
     schedules, apply_schedules = binding.schedules, place.schedules(binding.apply_schedules)
     dev = n._dev  # schedules set its values in place, so the programs see them through this one dict
@@ -90,17 +95,17 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
             # First step: resolve both programs (maybe compiling); they stay fixed for the epoch when
             # the optimizer hands back parameters and state of the avals it was compiled for.
             batch = next(batches)
-            if schedules:
-                apply_schedules(dev, n.step)
+            if schedules:  # checked: type, dtype, shape, finite; then replicated on a mesh
+                place.schedules(binding.first_schedules)(dev, n.step)
             grad, opt, loss = keyed_step(n, batch, gate)
             stable = returns_its_inputs(opt)
             n.step += 1
             losses.append(loss)
             gate.defer = False
-            if n.progress and not gate.quiet and is_main_process():
-                bar = progress_bar(steps, f"epoch {n.epoch + 1}")
-                bar.update(1)
-            grad_call, opt_call = grad.call, opt.call
+            bar = n.__dict__.get("_progress")  # this train() call's `_progress.Progress`, or None
+            if bar is not None:  # it draws on process 0 only (`_progress.start`)
+                bar.begin_epoch()
+            grad_call, opt_call, seed_step = grad.call, opt.call, n._seed_step
             append, perf_counter = losses.append, time.perf_counter
             next_sync = perf_counter() + _SYNC_SECONDS
             for batch in batches:
@@ -110,8 +115,10 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
                 if schedules:
                     apply_schedules(dev, n.step)
                 if stable:
-                    flat_grads, loss = grad_call(n._params, dev, batch)
-                    n._params, n._state = opt_call(n._params, flat_grads, n._state, dev)
+                    flat_grads, loss, n._model_state = grad_call(n._params, n._model_state, dev, batch,
+                                                                 seed_step(n.step))
+                    n._params, n._opt_state, n._guard = opt_call(n._params, flat_grads, n._opt_state, dev, loss,
+                                                                 n._guard)
                     reused += 1
                 else:  # slow path: re-key every step (and report the loop)
                     gate.defer = False  # nothing is donated yet, and a compile may follow
@@ -119,10 +126,8 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
                 n.step += 1
                 gate.defer = False
                 append(loss)
-                if bar is not None:
-                    bar.update(1)
                 if perf_counter() > next_sync:
-                    total, n_loss = check_losses(n, losses, total, n_loss, bar)
+                    total, n_loss = check_losses(n, losses, total, n_loss, bar, step0, split, fields)
                     losses.clear()
                     count_reuse(grad, opt, reused)
                     reused = 0
@@ -130,12 +135,14 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
                     next_sync = perf_counter() + _SYNC_SECONDS
             if gate.pending and gate.cuts_epoch():
                 raise KeyboardInterrupt
+            total, n_loss = check_losses(n, losses, total, n_loss, bar, step0, split, fields)
+            settled = True
     finally:
         count_reuse(grad, opt, reused)
-        if bar is not None:
-            bar.close()
-    total, n_loss = check_losses(n, losses, total, n_loss, None)
-    return total / max(n_loss, 1)
+        if not settled:  # Ctrl-C or an error: a bad step before it still counts as not applied
+            settle(n, step0)
+    skipped = _guard.bad_steps(jax.device_get(n._guard))
+    return total / max(n_loss, 1), skipped
 
 
 def keyed_step(n, batch, gate: InterruptGate):
@@ -143,38 +150,78 @@ def keyed_step(n, batch, gate: InterruptGate):
     step when the optimizer's outputs would move its key. Ctrl-C is held only once the optimizer
     program, which donates params and state, is about to run."""
     grad = n._grad_entry(batch)
-    flat_grads, loss = grad.call(n._params, n._dev, batch)
-    opt = n._opt_entry(flat_grads)
+    flat_grads, loss, n._model_state = grad.call(n._params, n._model_state, n._dev, batch, n._seed_step(n.step))
+    opt = n._opt_entry(flat_grads, loss, n._guard)
     gate.defer = True
-    n._params, n._state = opt.call(n._params, flat_grads, n._state, n._dev)
+    n._params, n._opt_state, n._guard = opt.call(n._params, flat_grads, n._opt_state, n._dev, loss, n._guard)
     return grad, opt, loss
 
 
-def check_losses(n, losses: list, total: float, count: int, bar):
-    """Fold the losses since the last sync into `(total, count)`, refusing a non-finite one.
+def check_losses(n, losses: list, total: float, count: int, bar, step0: int, split: dict, fields):
+    """Fold the finite losses since the last sync into `(total, count)`; with `on_nonfinite="raise"`,
+    raise the `NonFiniteLossError` of a guard that saw a bad step (one transfer for both).
 
     **Arguments:**
-    - `n`: the handle (its step and epoch name the failing step in the message).
+    - `n`: the handle (its guard, step and epoch name the failing step in the message).
     - `losses`: device scalars of the steps since the last sync, in order.
     - `total`, `count`: the running sum and number of losses so far this epoch.
-    - `bar`: the progress bar to show the last loss on, or None.
+    - `bar`: the call's `_progress.Progress`, told the window's losses, or None.
+    - `step0`, `split`, `fields`: the step the epoch started at and its batches, to name the cause.
 
     **Returns:** the new `(total, count)`.
     """
     if not losses:
         return total, count
-    values = np.asarray(jax.device_get(losses), dtype=np.float64)
-    bad = np.flatnonzero(~np.isfinite(values))
-    if bad.size:
-        step = n.step - len(values) + int(bad[0]) + 1
-        raise NonFiniteLossError(
-            f"the training loss became {values[bad[0]]} at step {step} (epoch {n.epoch + 1}). "
-            f"Check the `loss` hook for log(0) or division by zero and lower the learning rate; "
-            f"the handle stays usable (`n.params` holds the parameters after step {n.step})."
-        )
+    values, guard = jax.device_get((losses, n._guard))
+    values = np.asarray(values, dtype=np.float64)
+    if n.on_nonfinite == "raise" and _guard.bad_steps(guard):
+        raise nonfinite_error(n, guard, step0, split, fields)
+    values = values[np.isfinite(values)]  # "skip": a skipped step's loss is not the epoch's
+    if not values.size:
+        return total, count
     if bar is not None:
-        bar.set_postfix(loss=f"{values[-1]:.4g}", refresh=False)
+        bar.sync(values)
     return total + float(values.sum()), count + len(values)
+
+
+def nonfinite_error(n, guard, step0: int, split: dict, fields) -> NonFiniteLossError:
+    """The handle back at the last finite step (`n.step`), and the error naming the bad one."""
+    n.step = step0 + _guard.first_bad(guard)
+    binding = n._binding
+
+    def batch_at(index):
+        for i, batch in enumerate(train_batches(split, fields, n.batch_size, n.accum, (n.seed, n.epoch))):
+            if i == index:
+                return batch
+
+    place = n._place
+
+    def dev_at(step):
+        dev = dict(n._dev)
+        if binding.schedules:
+            place.schedules(binding.apply_schedules)(dev, step)
+        return dev
+
+    def regrad(batch, dev):
+        batch = place.batch(batch, n.accum > 1)  # placed as the loop placed it: the same program
+        flat_grads, loss, _ = n._grad_entry(batch).call(n._params, n._model_state, dev, batch, n._seed_step(n.step))
+        return flat_grads, loss
+
+    return _guard.diagnose(n, guard, step0, batch_at, dev_at, regrad)
+
+
+def settle(n, step0: int):
+    """After Ctrl-C or an error: with `on_nonfinite="raise"`, a bad step the loop had not seen yet
+    still ends the handle at the last finite step (the programs applied nothing after it)."""
+    guard = getattr(n, "_guard", None)
+    if n.on_nonfinite != "raise" or guard is None:
+        return
+    try:
+        guard = jax.device_get(guard)
+    except Exception:  # a guard donated to a step that never finished: nothing was applied either
+        return
+    if _guard.bad_steps(guard):
+        n.step = step0 + _guard.first_bad(guard)
 
 
 def count_reuse(grad, opt, steps: int):
@@ -191,16 +238,7 @@ def returns_its_inputs(opt_entry) -> bool:
     in_avals, out_avals = compiled_in_avals(opt_entry.call), compiled_out_avals(opt_entry.call)
     if in_avals is None or out_avals is None:
         return True
-    in_avals = jax.tree.leaves(in_avals[0]) + jax.tree.leaves(in_avals[2])
+    in_avals = jax.tree.leaves(in_avals[0]) + jax.tree.leaves(in_avals[2]) + jax.tree.leaves(in_avals[5])
     out_avals = jax.tree.leaves(out_avals)
     norm = lambda a: (tuple(a.shape), str(a.dtype), bool(getattr(a, "weak_type", False)))
     return [norm(a) for a in in_avals] == [norm(a) for a in out_avals]
-
-
-def progress_bar(total: int, desc: str):
-    """A tqdm bar (a widget in notebooks, text in terminals) for one epoch's steps."""
-    # Imported on the first bar, not at the top, for import speed only (no cycle): `tqdm.auto` adds ~30 ms
-    # to `import nitro_ipy`, which scripts that never show a bar need not pay.
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="step", leave=False, mininterval=0.25)

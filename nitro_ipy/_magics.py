@@ -139,6 +139,8 @@ class NitroMagics(Magics):
     def post_run_cell(self, result=None) -> None:
         try:
             self.refresh_watch()
+            if self.sink is not None:
+                self.sink.retire()
             if self.panel is not None:
                 self.panel.flush()
         except Exception as err:  # noqa: BLE001

@@ -3,11 +3,16 @@
 Every builder takes the hooks as plain functions (bound later to the compile view) and returns the
 function that `jax.jit(...).lower(...)` traces:
 
-- gradient: `(params, dev, batch) -> (flat grads, mean loss)`, a `lax.scan` over `accum` micro-batches;
-- optimizer: `(params, flat grads, opt state, dev) -> (params, opt state)`, separate even at accum=1;
-- evaluation forward: `(params, dev, inputs, targets, n_valid) -> (outputs, loss sum over valid rows)`;
+- gradient: `(params, state, dev, batch, rng) -> (flat grads, mean loss, new state)`, a `lax.scan` over
+  `accum` micro-batches (`rng` is `[seed, step]`, or None when no hook declares `rng`);
+- optimizer: `(params, flat grads, opt state, dev, loss, guard) -> (params, opt state, guard)`, separate
+  even at accum=1; a non-finite step keeps the old params and state (`_guard`);
+- evaluation forward: `(params, state, dev, inputs, targets, n_valid) -> (outputs, loss sum over valid rows)`;
 - device metric: `(dev, outputs, fields) -> {name: (sum, count)}`;
-- predict: `(params, dev, inputs) -> outputs`.
+- predict: `(params, state, dev, inputs) -> outputs`.
+
+`params` is the dynamic tree of `_model.ParamSplit` (static leaves are None and baked in); `state` is the
+model state (None when `forward` does not declare it).
 
 `SPECS` holds one `Spec` per kind (the hooks it traces, its argument names, its builder, the handle
 settings in its key, donation, XLA options), and `program_key` composes every key from a spec.
@@ -21,42 +26,78 @@ import jax.numpy as jnp
 import optax
 
 from ._cache import Key, arg_signature
+from ._checks import check_loss, check_metric_result
 from ._compile import OPTIMIZER_OPTIONS
+from ._guard import guarded, parts
+from ._model import EVAL_KEY_SEED, forward_result, step_key
 
 
-def make_gradient(view_of, forward, loss, input_names, target_names, layout, accum: int):
-    def loss_of(params, view, batch):
-        outputs = forward(view, params, **{k: batch[k] for k in input_names})
-        return loss(view, outputs, **{k: batch[k] for k in target_names})
+def call_forward(model, owner, forward, view, params, inputs: dict, state, key, train: bool):
+    """`(outputs, new_state)`: `forward` called with the reserved parameters it declares."""
+    reserved = model.reserved.get("forward", ())
+    extra = {}
+    if "rng" in reserved:
+        extra["rng"] = key
+    if "train" in reserved:
+        extra["train"] = train
+    if not model.has_state:
+        return forward(view, params, **inputs, **extra), state
+    return forward_result(owner, forward(view, params, **inputs, state=state, **extra), state)
 
-    def gradient(params, dev, batch):
+
+def call_loss(model, loss, view, outputs, targets: dict, train: bool):
+    """The `loss` hook's value, checked to be a real scalar (`_checks.check_loss`)."""
+    extra = {"train": train} if "train" in model.reserved.get("loss", ()) else {}
+    return check_loss(loss(view, outputs, **targets, **extra))
+
+
+def make_gradient(view_of, forward, loss, input_names, target_names, model, accum: int, owner: str = ""):
+    split, layout = model.split, model.layout
+
+    def loss_of(trainable, params, state, view, batch, key):
+        full = split.combine(split.with_trainable(params, trainable))
+        inputs = {k: batch[k] for k in input_names}
+        outputs, state = call_forward(model, owner, forward, view, full, inputs, state, key, True)
+        return call_loss(model, loss, view, outputs, {k: batch[k] for k in target_names}, True), state
+
+    def gradient(params, state, dev, batch, seed_step):
         view = view_of(dev)
-        value_and_grad = jax.value_and_grad(loss_of)
+        trainable = split.trainable(params)
+        key = (lambda i: None) if seed_step is None else (lambda i: step_key(seed_step[0], seed_step[1], i))
+        value_and_grad = jax.value_and_grad(loss_of, has_aux=True)
         if accum == 1:
-            value, grads = value_and_grad(params, view, batch)
+            (value, state), grads = value_and_grad(trainable, params, state, view, batch, key(0))
         else:
-            def micro(carry, micro_batch):
-                total, acc = carry
-                value, grads = value_and_grad(params, view, micro_batch)
-                return (total + value, jax.tree.map(jnp.add, acc, grads)), None
+            def micro(carry, xs):
+                total, acc, state = carry
+                i, micro_batch = xs
+                (value, state), grads = value_and_grad(trainable, params, state, view, micro_batch, key(i))
+                return (total + value, jax.tree.map(jnp.add, acc, grads), state), None
 
-            zeros = jax.tree.map(jnp.zeros_like, params)
-            (total, grads), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros), batch)
+            zeros = jax.tree.map(jnp.zeros_like, trainable)
+            carry = (jnp.zeros((), jnp.float32), zeros, state)
+            (total, grads, state), _ = jax.lax.scan(micro, carry, (jnp.arange(accum), batch))
             value = total / accum
             grads = jax.tree.map(lambda g: g / accum, grads)
-        return layout.ravel(grads), value
+        return layout.ravel(grads), value, state
 
     return gradient
 
 
-def make_optimizer(view_of, optimizer, layout):
-    def update(params, flat_grads, opt_state, dev):
+def make_optimizer(view_of, optimizer, model, halt: bool = True):
+    split, layout = model.split, model.layout
+
+    def update(params, flat_grads, opt_state, dev, loss, guard):
         tx = optimizer(view_of(dev))
+        trainable = split.trainable(params)
         # The flat params are only built for an optimizer that reads them (weight decay, say): for one
         # that does not, XLA drops the concatenation, and a step never copies the whole model. The
         # updates are then added array by array, exactly as `apply_updates` on the flat buffer would.
-        updates, opt_state = tx.update(flat_grads, opt_state, layout.ravel(params))
-        return optax.apply_updates(params, layout.unravel(updates)), opt_state
+        updates, new_state = tx.update(flat_grads, opt_state, layout.ravel(trainable))
+        new_params = split.with_trainable(params, optax.apply_updates(trainable, layout.unravel(updates)))
+        # A non-finite loss, gradient or Device value keeps the old buffers (`_guard`): checked here,
+        # where params and state are donated, so no step ever syncs with the host to find out.
+        return guarded(guard, parts(loss, flat_grads, dev), (new_params, new_state), (params, opt_state), halt)
 
     return update
 
@@ -67,18 +108,22 @@ def per_example_loss(view, loss, outputs, targets: dict):
 
     def one(o, t):
         add_axis = lambda a: a[None]
-        return loss(view, jax.tree.map(add_axis, o), **jax.tree.map(add_axis, t))
+        return check_loss(loss(view, jax.tree.map(add_axis, o), **jax.tree.map(add_axis, t)))
 
     return jax.vmap(one)(outputs, targets)
 
 
-def make_eval(view_of, forward, loss, input_names, target_names):
-    def evaluate(params, dev, inputs, targets, n_valid):
+def make_eval(view_of, forward, loss, input_names, target_names, model, owner: str = ""):
+    split = model.split
+    eval_loss = loss if loss is None else (lambda view, outputs, **t: call_loss(model, loss, view, outputs, t, False))
+
+    def evaluate(params, state, dev, inputs, targets, n_valid):
         view = view_of(dev)
-        outputs = forward(view, params, **inputs)
+        key = jax.random.PRNGKey(EVAL_KEY_SEED) if "rng" in model.reserved.get("forward", ()) else None
+        outputs, _ = call_forward(model, owner, forward, view, split.combine(params), inputs, state, key, False)
         if loss is None:
             return outputs, jnp.zeros((), jnp.float32)
-        per = per_example_loss(view, loss, outputs, targets)
+        per = per_example_loss(view, eval_loss, outputs, targets)
         mask = jnp.arange(per.shape[0]) < n_valid
         return outputs, jnp.sum(jnp.where(mask, per, 0.0))
 
@@ -87,14 +132,18 @@ def make_eval(view_of, forward, loss, input_names, target_names):
 
 def make_metric(view_of, hook):
     def metric(dev, outputs, fields):
-        return hook(view_of(dev), outputs, **fields)
+        return check_metric_result(hook.__name__, hook(view_of(dev), outputs, **fields))
 
     return metric
 
 
-def make_predict(view_of, forward):
-    def predict(params, dev, inputs):
-        return forward(view_of(dev), params, **inputs)
+def make_predict(view_of, forward, model, owner: str = ""):
+    split = model.split
+
+    def predict(params, state, dev, inputs):
+        view = view_of(dev)
+        key = jax.random.PRNGKey(EVAL_KEY_SEED) if "rng" in model.reserved.get("forward", ()) else None
+        return call_forward(model, owner, forward, view, split.combine(params), inputs, state, key, False)[0]
 
     return predict
 
@@ -107,40 +156,43 @@ class Spec:
     kind: str
     hooks: tuple  # the experiment hooks it traces; a missing optional hook (`loss`) is left out of the key
     args: tuple  # its argument names, in the key and in miss explanations
-    build: Callable  # `build(binding, layout, accum, hook, **fields)` -> the function `jax.jit` traces
+    build: Callable  # `build(binding, model, accum, hook, **fields)` -> the function `jax.jit` traces
     options: tuple = ()  # the handle settings that shape it: names in `program_key`'s `settings`
     donate: tuple = ()  # argument numbers whose buffers it reuses for its outputs
     compiler_options: dict | None = None  # XLA options on top of `_compile.program_options`' policy
     loops: bool = False  # a recompile with the same hooks is a loop worth a message (the training step)
 
 
-def _build_grad(b, layout, accum, hook, *, inputs, targets):
-    return make_gradient(b.view, b.forward, b.loss, inputs, targets, layout, accum)
+def _build_grad(b, model, accum, hook, *, inputs, targets):
+    return make_gradient(b.view, b.forward, b.loss, inputs, targets, model, accum, b.cls.__qualname__)
 
 
-def _build_opt(b, layout, accum, hook):
-    return make_optimizer(b.view, b.optimizer, layout)
+def _build_opt(b, model, accum, hook, *, halt=True):
+    return make_optimizer(b.view, b.optimizer, model, halt)
 
 
-def _build_eval(b, layout, accum, hook, *, inputs, targets):
-    return make_eval(b.view, b.forward, b.loss, inputs, targets)
+def _build_eval(b, model, accum, hook, *, inputs, targets):
+    return make_eval(b.view, b.forward, b.loss, inputs, targets, model, b.cls.__qualname__)
 
 
-def _build_metric(b, layout, accum, hook):
+def _build_metric(b, model, accum, hook):
     return make_metric(b.view, b.metrics[hook][0])
 
 
-def _build_predict(b, layout, accum, hook):
-    return make_predict(b.view, b.forward)
+def _build_predict(b, model, accum, hook):
+    return make_predict(b.view, b.forward, model, b.cls.__qualname__)
 
 
-GRAD = Spec("grad", ("forward", "loss"), ("params", "device", "batch"), _build_grad,
-            options=("accum", "layout"), loops=True)
-OPT = Spec("opt", ("optimizer",), ("params", "grads", "opt_state", "device"), _build_opt,
-           options=("layout",), donate=(0, 2), compiler_options=OPTIMIZER_OPTIONS, loops=True)
-EVAL = Spec("eval", ("forward", "loss"), ("params", "device", "inputs", "targets", "n_valid"), _build_eval)
+GRAD = Spec("grad", ("forward", "loss"), ("params", "state", "device", "batch", "rng"), _build_grad,
+            options=("accum", "layout", "statics"), loops=True)
+OPT = Spec("opt", ("optimizer",), ("params", "grads", "opt_state", "device", "loss", "guard"), _build_opt,
+           options=("layout", "statics", "on_nonfinite"), donate=(0, 2, 5), compiler_options=OPTIMIZER_OPTIONS,
+           loops=True)
+EVAL = Spec("eval", ("forward", "loss"), ("params", "state", "device", "inputs", "targets", "n_valid"), _build_eval,
+            options=("statics",))
 METRIC = Spec("metric", (), ("device", "outputs", "fields"), _build_metric)  # one per hook: `metric:<hook>`
-PREDICT = Spec("predict", ("forward",), ("params", "device", "inputs"), _build_predict)
+PREDICT = Spec("predict", ("forward",), ("params", "state", "device", "inputs"), _build_predict,
+               options=("statics",))
 SPECS = {s.kind: s for s in (GRAD, OPT, EVAL, METRIC, PREDICT)}
 
 
@@ -151,7 +203,7 @@ def program_key(spec: Spec, binding, args: tuple, settings: dict, hook: str | No
     - `spec`: the program's kind, from `SPECS`.
     - `binding`: the handle's `Binding` (owner, hook fingerprints, GraphConst hash).
     - `args`: the arguments the program is called with; their signature is part of the key.
-    - `settings`: the handle settings a spec's `options` name (`accum`, `layout`).
+    - `settings`: the handle settings a spec's `options` name (`accum`, `layout`, `statics`).
     - `hook`: for a per-hook kind (`metric`), the hook it traces.
 
     **Returns:** the `_cache.Key`.

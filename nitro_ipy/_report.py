@@ -147,6 +147,8 @@ def _epoch_text(record: dict) -> str:
     for k, v in record.items():
         if k != "epoch" and isinstance(v, float):
             parts.append(f"{k} {v:.4g}")
+    if record.get("skipped"):
+        parts.append(f"skipped {_plural(record['skipped'], 'non-finite step')}")
     if record.get("stopped"):  # early stopping fired at this epoch (`_runs.EarlyStop`)
         parts.append(f"stopped: {record['stopped']}")
     return "nitro_ipy: " + " | ".join(parts)

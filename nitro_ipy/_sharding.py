@@ -114,11 +114,14 @@ class SingleDevice:
     def schedules(self, apply):
         return apply
 
-    def out_shardings(self, kind: str, args: tuple):
+    def out_shardings(self, kind: str, args: tuple, model=None):
         return None
 
     def metric_args(self, tree):
         return tree
+
+    def like(self, tree, live):
+        return jax.device_put(tree)
 
     def host(self, tree):
         return jax.device_get(tree)
@@ -259,9 +262,18 @@ class Sharded:
         """Every leaf of `tree` replicated on the mesh (Device values, scalars the programs take)."""
         return jax.tree.map(lambda leaf: self._put(leaf, self.replicated), tree)
 
+    def like(self, tree, live):
+        """`tree` (host arrays: a resumed checkpoint) placed leaf by leaf as `live` (the same structure,
+        on this mesh) is."""
+        return jax.tree.map(lambda new, old: self._put(new, getattr(old, "sharding", self.replicated)), tree, live)
+
     def _put(self, leaf, sharding):
         """`leaf` as a global array with `sharding`, strongly typed. A value every process holds alike
-        (init's output, a host array) is built on each process from its own copy."""
+        (init's output, a host array) is built on each process from its own copy. A typed PRNG key (an
+        NNX `RngKey` in the model state) has no numpy form: its key data is placed and re-wrapped."""
+        if isinstance(leaf, jax.Array) and jax.numpy.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            data = self._put(jax.random.key_data(leaf), sharding)
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(leaf))
         if isinstance(leaf, jax.Array):
             if not leaf.is_fully_addressable:  # a global array of a multi-process run: no host copy
                 leaf = leaf.astype(leaf.dtype) if leaf.weak_type else leaf
@@ -310,19 +322,26 @@ class Sharded:
 
         return apply_placed
 
-    def out_shardings(self, kind: str, args: tuple):
+    def out_shardings(self, kind: str, args: tuple, model=None):
         """The output shardings `kind`'s program is compiled with, so what it returns is placed as what
-        it takes: params and optimizer state keep their shardings step after step, losses and gradients
-        of replicated params are replicated. None lets XLA choose (evaluation and predict outputs, which
-        follow the batch)."""
+        it takes: params and optimizer state keep their shardings step after step; losses, the model
+        state, the guard and gradients of replicated params are replicated. None lets XLA choose
+        (evaluation and predict outputs, which follow the batch).
+
+        `grad` returns `(flat grads, loss, new model state)`; `opt` takes `(params, grads, opt_state,
+        dev, loss, guard)` and returns `(params, opt_state, guard)`. `model` (`_model.Model`) says which
+        params leaves the gradients are of (the trainable ones)."""
         if kind == "grad":
-            grads = self.replicated if not self.shards else self._param_shardings
-            return (grads, self.replicated)
-        if kind == "opt":
-            params, _, opt_state, _ = args
             if not self.shards:
-                return self.replicated
-            return (self._param_shardings, jax.tree.map(lambda leaf: leaf.sharding, opt_state))
+                return (self.replicated, self.replicated, self.replicated)
+            # Only the tree layout can shard (`check_layout`): its gradients are the trainable tree.
+            grads = model.split.trainable(self._param_shardings)
+            return (grads, self.replicated, self.replicated)
+        if kind == "opt":
+            if not self.shards:
+                return (self.replicated, self.replicated, self.replicated)
+            opt_state = args[2]
+            return (self._param_shardings, jax.tree.map(lambda leaf: leaf.sharding, opt_state), self.replicated)
         return None
 
     def metric_args(self, tree):

@@ -24,6 +24,7 @@ class StatsRow(NamedTuple):
     hits: int
     state: str  # "live", or "poisoned (<what drifted>)"
     why: str  # why it was compiled next to a similar entry, or ""
+    inputs: str = ""  # the inputs summarised by human names (`summarise_inputs`)
 
 
 class StatsTable:
@@ -77,19 +78,38 @@ class StatsTable:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        esc = html.escape
-        out = [f"<div class='nitro-stats'><p><b>{esc(self.summary())}</b></p>"]
+        """Reads at 800 px: the figures first, then one row per program with its inputs summarised by
+        name (full shapes on demand, in a `<details>`), and the summarised reason it compiled."""
+        from . import _html  # pure string builders; imported here so `import nitro_ipy` stays lean
+
+        esc, h = html.escape, _html
+        hits, misses, entries = self.stats
+        chips = "".join(h.chip(f"{k} {v}") for k, v in (("hits", hits), ("misses", misses), ("entries", entries)))
+        chips += h.chip(f"poisoned {self.poisoned}", "warning" if self.poisoned else "plain")
+        out = [f"<div class='nitro-stats' style='text-align: left'><div style='font-weight: 600'>nitro_ipy compile "
+               f"cache</div><div style='display: flex; flex-wrap: wrap'>{chips}</div>"]
+        cell = "style='text-align: left; vertical-align: top; padding: 2px 8px 2px 0'"
+        num = "style='text-align: right; vertical-align: top; padding: 2px 8px 2px 0; white-space: nowrap'"
         if self.rows:
-            out.append("<table><thead><tr>")
-            for h in ("kind", "hooks", "argument shapes", "trace s", "compile s", "hits", "state", "why compiled"):
-                out.append(f"<th>{h}</th>")
+            out.append("<table class='nitro-stats-table' style='border-collapse: collapse; margin: 4px 0; "
+                       "max-width: 100%'><thead><tr>")
+            for name, style in (("state", cell), ("program", cell), ("inputs", cell), ("compile s", num),
+                                ("hits", num)):
+                out.append(f"<th {style[:-1]}; white-space: nowrap'>{name}</th>")
             out.append("</tr></thead><tbody>")
             for r in self.rows:
-                color = "" if r.state.startswith("live") else " style='color:#c77700'"
+                tone = "plain" if r.state.startswith("live") else "warning"
+                inputs = esc(r.inputs or r.short_shapes)
+                full = (f"<details><summary>{inputs}</summary><code style='white-space: pre-wrap'>"
+                        f"{esc(r.shapes)}</code></details>")
+                why = (f"<tr><td></td><td colspan='4' {cell[:-1]}; opacity: 0.85'>why {esc(r.kind)} compiled: "
+                       f"{h.code_html(h.summarise_why(r.why))}</td></tr>" if r.why else "")
                 out.append(
-                    f"<tr><td><code>{esc(r.kind)}</code></td><td>{esc(r.hooks)}</td>"
-                    f"<td><code>{esc(r.shapes)}</code></td><td>{r.trace_s:.2f}</td><td>{r.compile_s:.2f}</td>"
-                    f"<td>{r.hits}</td><td{color}>{esc(r.state)}</td><td>{esc(r.why)}</td></tr>"
+                    f"<tr style='border-top: 1px solid var(--jp-border-color2, rgba(128,128,128,0.3))'>"
+                    f"<td {cell}>{h.chip(r.state, tone)}</td><td {cell[:-1]}; white-space: nowrap'><code>"
+                    f"{esc(r.kind)}</code> [{esc(r.hooks)}]</td><td {cell}>{full}</td>"
+                    f"<td {num} title='trace {r.trace_s:.2f} s + XLA {r.compile_s:.2f} s'>"
+                    f"{r.trace_s + r.compile_s:.2f}</td><td {num}>{r.hits}</td></tr>{why}"
                 )
             out.append("</tbody></table>")
         else:
@@ -101,7 +121,7 @@ class StatsTable:
         if self.store is not None:
             out.append(f"<p>{esc(repr(self.store))}</p>")
         out.append("</div>")
-        return "".join(out)
+        return h.box("".join(out), "warning" if self.poisoned else "plain", "nitro-stats-box")
 
 
 def _clip(text: str, width: int) -> str:
@@ -117,11 +137,55 @@ def compact_shapes(entry) -> str:
         groups.setdefault((sig.path or "arg").split("[")[0], []).append(sig)
     parts = []
     for name, sigs in groups.items():
+        if name == "guard":  # the optimizer's non-finite bookkeeping (`_guard`), never what moved a key
+            continue
         if name in _SUMMARIZED:
             parts.append(f"{name}: {len(sigs)} array{'s' if len(sigs) != 1 else ''}")
         else:  # scalars (Device fields, counts) left out, as in `Entry.shapes()`
             parts.extend(f"{s.path or 'arg'}{list(s.shape)}" for s in sigs if s.shape)
     return ", ".join(parts)
+
+
+_NAMES = {"params": "parameters", "grads": "gradients", "opt_state": "optimizer state"}
+
+
+# Inputs the handle passes for its own bookkeeping, not the user's: the non-finite guard (`_guard`).
+_BOOKKEEPING = ("guard",)
+
+
+def summarise_inputs(entry) -> str:
+    """A program's inputs in words: parameters, gradients and optimizer state as value counts per dtype
+    (the flat buffers; with the parameters' layer groups), batch arrays with their shapes; scalars left out.
+
+    `parameters 16 float32 (v, w); batch x [16, 3], y [16]`"""
+    import math
+    import re
+
+    groups: dict = {}
+    for sig in entry.key.args[1]:
+        groups.setdefault((sig.path or "arg").split("[")[0].split(".")[0], []).append(sig)
+    parts = []
+    for name, sigs in groups.items():
+        if name in _BOOKKEEPING:
+            continue
+        if name in _NAMES:
+            per_dtype: dict = {}
+            for sig in sigs:
+                per_dtype[str(sig.dtype)] = per_dtype.get(str(sig.dtype), 0) + math.prod(sig.shape)
+            sizes = " + ".join(f"{count:,} {dtype}" for dtype, count in per_dtype.items())
+            text = f"{_NAMES[name]} {sizes}"
+            if name == "params":
+                layers = list(dict.fromkeys(m.group(1) for s in sigs if (m := re.match(r"params\[['\"]?([^]'\"]+)", s.path or ""))))
+                if layers and layers != list(per_dtype):
+                    shown = ", ".join(layers[:6]) + (f", +{len(layers) - 6} more" if len(layers) > 6 else "")
+                    text += f" ({shown})"
+            parts.append(text)
+        else:
+            arrays = [f"{(s.path or 'arg')[len(name):].strip('[]' + chr(39) + chr(34)) or name} {list(s.shape)}"
+                      for s in sigs if s.shape]
+            if arrays:
+                parts.append(f"{name} " + ", ".join(arrays))
+    return "; ".join(parts)
 
 
 def _row_state(entry) -> str:
@@ -141,7 +205,7 @@ def stats_table() -> StatsTable:
     rows, untracked = [], []
     for e in entries:
         rows.append(StatsRow(e.kind, ", ".join(e.hook_names), e.shapes(), compact_shapes(e), e.trace_s,
-                             e.compile_s, e.hits, _row_state(e), e.why or ""))
+                             e.compile_s, e.hits, _row_state(e), e.why or "", summarise_inputs(e)))
         for item in getattr(e.closure, "untracked", None) or ():
             text = str(item)
             if text not in untracked:

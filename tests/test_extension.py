@@ -174,10 +174,18 @@ def test_nitro_stats_table(trained):
     for line in text[2:]:
         assert all(line[s - 1] == " " and line[s] != " " for s in starts), line
         assert all(line[e - 1] != " " and line[e] == " " for e in ends), line
+    assert [r.inputs for r in table.rows] == [
+        "parameters 16 float32 (v, w); batch x [16, 3], y [16]",
+        "parameters 16 float32 (v, w); gradients 16 float32",
+        "parameters 16 float32 (v, w); inputs x [16, 3]; targets y [16]",
+    ]
     html = table._repr_html_()
-    for header in ("kind", "hooks", "argument shapes", "trace s", "compile s", "hits", "state"):
-        assert f"<th>{header}</th>" in html
-    assert "<td><code>grad</code></td>" in html
+    # State and hits first, text left-aligned, headers that do not wrap, full shapes on demand.
+    assert html.index(f"hits {stats.hits}") < html.index("<table")
+    assert [h.split(">")[-1] for h in html.split("</th>")[:-1]] == ["state", "program", "inputs", "compile s", "hits"]
+    assert html.count("white-space: nowrap'>") >= 5 and "text-align: left" in html
+    assert "<details><summary>parameters 16 float32 (v, w); batch x [16, 3], y [16]</summary>" in html
+    assert "params[&#x27;w&#x27;][3, 4]" in html  # the full shapes, inside the <details>
 
 
 def test_nitro_stats_after_an_edit_shows_poisoned_and_why(trained, capsys):
@@ -269,53 +277,61 @@ def test_widget_kernel_installs_the_rich_sink_and_unload_restores(shell, monkeyp
     assert _report.sink() is previous
 
 
-def test_stale_messages_render_as_widgets(trained, monkeypatch, capsys):
+def _captured(fn, *args):
+    """Run `fn(*args)` capturing its display outputs, as a kernel would publish them (with updates)."""
+    from IPython.utils.capture import capture_output
+
+    with capture_output() as cap:
+        fn(*args)
+    return cap.outputs
+
+
+def _sinked(monkeypatch, shell):
     from nitro_ipy._widgets import RichSink
 
-    sink = RichSink(trained, _report.sink())
+    sink = RichSink(shell, _report.sink())
     monkeypatch.setattr(_report, "_sink", sink)
+    return sink
+
+
+def test_stale_messages_are_html_boxes_with_one_button(trained, monkeypatch):
+    sink = _sinked(monkeypatch, trained)
     _run(trained, EDIT)
-    _run(trained, "records = n.train()")
-    out = capsys.readouterr().out
-    cache_view, handle_view = sink.views
-    assert cache_view.msg.kind == "stale-cache" and handle_view.msg.kind == "stale-handle"
-    assert cache_view.widget.box_style == "info" and cache_view.button is None
-    assert handle_view.widget.box_style == "warning"
-    assert handle_view.button.description == "Rebuild handle"
-    assert handle_view.button.button_style == "warning"
-    assert handle_view.body.value.startswith(
-        "! this handle&#x27;s compiled programs had dependency methods redefined: __main__.helper (eval, grad)."
-    )
-    assert handle_view.body.value.endswith("rebuild it: <code>n = n.rebuild()</code>")
-    # The displays' text/plain fallback is the message's own line (what the terminal prints here).
-    bundle = handle_view._repr_mimebundle_()
-    assert bundle["text/plain"] == handle_view.msg.text
-    assert "application/vnd.jupyter.widget-view+json" in bundle
-    assert "border-left: 4px solid #f57c00" in bundle["text/html"]
-    assert "border-left: 4px solid #0288d1" in cache_view._repr_mimebundle_()["text/html"]
-    assert out.splitlines() == [cache_view.msg.text, handle_view.msg.text]
+    outputs = _captured(_run, trained, "records = n.train()")
+    cache_out, handle_out, button_out = [o.data for o in outputs]
+    assert set(cache_out) == set(handle_out) == {"text/plain", "text/html"}
+    # text/plain is the line a terminal prints; the HTML has a title line and the details.
+    assert cache_out["text/plain"].startswith("nitro_ipy: 2 cached programs (eval, grad) poisoned; redefined: __main__.helper.")
+    assert handle_out["text/plain"].startswith(
+        "! this handle's compiled programs had dependency methods redefined: __main__.helper (eval, grad).")
+    assert "border-left: 4px solid var(--jp-info-color1, #0288d1)" in cache_out["text/html"]
+    assert "border-left: 4px solid var(--jp-warn-color1, #f57c00)" in handle_out["text/html"]
+    assert "line-height: 1.4" in handle_out["text/html"] and "color: var(--jp-content-font-color1, inherit)" in handle_out["text/html"]
+    assert ">This handle runs code compiled before your edit</div><div style='margin-top: 2px'>This handle&#x27;s" in handle_out["text/html"]
+    assert handle_out["text/html"].endswith("rebuild it: <code style='" + nitro_ipy._html._MONO + "'>n = n.rebuild()</code></div></div>")
+    assert set(button_out) == {"application/vnd.jupyter.widget-view+json", "text/plain"}
+    (button,) = sink.buttons
+    assert button_out["application/vnd.jupyter.widget-view+json"]["model_id"] == button.widget.model_id
+    assert (button.widget.description, button.widget.button_style, button.state) == ("Rebuild handle", "warning", "ready")
 
 
-def test_rebuild_button_rebinds_every_name(trained, monkeypatch, capsys):
-    from nitro_ipy._widgets import RichSink
-
-    sink = RichSink(trained, _report.sink())
-    monkeypatch.setattr(_report, "_sink", sink)
+def test_rebuild_button_rebinds_every_name_and_ends_as_html(trained, monkeypatch, capsys):
+    sink = _sinked(monkeypatch, trained)
     _run(trained, "n_alias = n; runs = [n]; _ = n; _7 = n")
-    _run(trained, EDIT + "n.train()")
+    _captured(_run, trained, EDIT + "n.train()")
     old = trained.user_ns["n"]
-    view = sink.views[-1]
-    view.button.click()
+    (button,) = sink.buttons
+    (update,) = _captured(button.widget.click)
     ns = trained.user_ns
     new = ns["n"]
     assert new is not old and ns["n_alias"] is new and type(new) is type(old)
     assert ns["runs"][0] is old and ns["_"] is old and ns["_7"] is old  # containers and output history untouched
     assert new.step == old.step
-    assert view.output.outputs == (
-        {"output_type": "stream", "name": "stdout", "text": "rebuilt: n, n_alias -> new handle\n"},
-    )
-    b = view.button
-    assert (b.description, b.button_style, b.disabled, b.icon) == ("Rebuilt", "success", True, "check")
+    # The button's own output becomes what it did, as HTML: the saved notebook keeps that, not a widget.
+    assert update.update and update.transient["display_id"] == button.handle.display_id
+    assert update.data["text/plain"] == "rebuilt: n, n_alias -> new handle"
+    assert set(update.data) == {"text/plain", "text/html"} and "jp-success-color1" in update.data["text/html"]
+    assert button.state == "done" and button.widget.comm is None  # closed
     capsys.readouterr()
     _run(trained, "records = n.train()")
     # The rebuilt handle compiles what the edit changed, and says nothing about staleness.
@@ -324,49 +340,56 @@ def test_rebuild_button_rebinds_every_name(trained, monkeypatch, capsys):
 
 
 def test_rebuild_button_with_no_name_left_rebuilds_nothing(trained, monkeypatch):
-    from nitro_ipy._widgets import RichSink
-
-    sink = RichSink(trained, _report.sink())
-    monkeypatch.setattr(_report, "_sink", sink)
-    _run(trained, EDIT + "n.train()")
+    sink = _sinked(monkeypatch, trained)
+    _captured(_run, trained, EDIT + "n.train()")
+    (button,) = sink.buttons
     _run(trained, "n = None")
-    view = sink.views[-1]
     gc.collect()
-    assert view._handle() is None  # the message does not keep a stale handle (and its device state) alive
-    view.button.click()
-    assert view.button.description == "Rebuild handle"
-    assert view.output.outputs[0]["text"].startswith("nothing rebuilt: no name in the namespace holds this handle")
+    assert button._handle() is None  # the message does not keep a stale handle (and its device state) alive
+    (update,) = _captured(button.widget.click)
+    assert update.data["text/plain"].startswith("nothing rebuilt: no name in the namespace holds this handle")
 
 
-def test_rebuild_failure_is_shown_in_the_widget(trained, monkeypatch):
-    from nitro_ipy._widgets import RichSink
-
-    sink = RichSink(trained, _report.sink())
-    monkeypatch.setattr(_report, "_sink", sink)
-    _run(trained, EDIT + "n.train()")
+def test_rebuild_failure_is_shown_as_the_buttons_result(trained, monkeypatch):
+    sink = _sinked(monkeypatch, trained)
+    _captured(_run, trained, EDIT + "n.train()")
     _run(trained, "del Tiny.forward")  # the live class lost a required hook: rebuild refuses
-    view = sink.views[-1]
+    (button,) = sink.buttons
     old = trained.user_ns["n"]
-    view.button.click()
-    assert trained.user_ns["n"] is old
-    assert view.button.button_style == "danger"
-    assert view.output.outputs[0]["text"].startswith("rebuild failed: ")
+    (update,) = _captured(button.widget.click)
+    assert trained.user_ns["n"] is old and button.state == "failed"
+    assert update.data["text/plain"].startswith("failed: ")
+    assert "jp-error-color1" in update.data["text/html"]
 
 
-def test_other_message_kinds(monkeypatch, capsys):
+def test_unclicked_buttons_are_retired_after_a_cell_once_nothing_holds_their_handle(trained, monkeypatch):
+    sink = _sinked(monkeypatch, trained)
+    _captured(_run, trained, EDIT + "n.train()")
+    (button,) = sink.buttons
+    sink.retire()
+    assert button.state == "ready"  # `n` still holds the stale handle: the button stays useful
+    _run(trained, "n = n.rebuild()")
+    (update,) = _captured(sink.retire)
+    assert button.state == "retired" and sink.buttons == []
+    assert update.data["text/plain"] == "no longer needed: no name holds that handle any more (it was rebuilt or dropped)"
+
+
+def test_other_message_kinds(monkeypatch):
     from nitro_ipy._widgets import RichSink
 
     previous = []
     ip = InteractiveShell.instance()
     sink = RichSink(ip, previous.append)
-    for kind in ("disk-edit", "recompile-loop"):
-        sink(_report.Message(kind, f"nitro_ipy: a {kind} line with `code`", {}))
-        assert sink.views[-1].widget.box_style == "warning" and sink.views[-1].button is None
-        assert sink.views[-1].body.value == f"nitro_ipy: a {kind} line with <code>code</code>"
-    sink(_report.Message("compile", "nitro_ipy: compiled grad", {}))
+    titles = {"disk-edit": "Edited on disk, not loaded yet", "recompile-loop": "Recompile loop in the "}
+    for kind, data in (("disk-edit", {"names": ("m.f",)}), ("recompile-loop", {"program": "grad", "why": "x"})):
+        (out,) = _captured(sink, _report.Message(kind, f"nitro_ipy: a {kind} line with `code`", data))
+        assert out.data["text/plain"] == f"nitro_ipy: a {kind} line with `code`"
+        assert "jp-warn-color1" in out.data["text/html"] and titles[kind] in out.data["text/html"]
+        assert f"A {kind} line with <code" in out.data["text/html"]
+    assert _captured(sink, _report.Message("compile", "nitro_ipy: compiled grad", {})) == []
     sink(_report.Message("epoch", "nitro_ipy: epoch 1", {}))
-    assert [m.kind for m in previous] == ["compile", "epoch"]  # plain text lines, through the old sink
-    assert len(sink.views) == 2
+    assert [m.kind for m in previous] == ["compile", "epoch"]  # no progress display open: plain text lines
+    assert sink.buttons == []
 
 
 def test_messages_off_the_main_thread_stay_text():
@@ -374,10 +397,68 @@ def test_messages_off_the_main_thread_stay_text():
 
     previous = []
     sink = RichSink(InteractiveShell.instance(), previous.append)
-    t = threading.Thread(target=sink, args=(_report.Message("stale-cache", "x", {}),))
+    t = threading.Thread(target=sink, args=(_report.Message("stale-cache", "x", {"count": 1}),))
     t.start()
     t.join()
-    assert sink.views == [] and [m.text for m in previous] == ["x"]
+    assert [m.text for m in previous] == ["x"]
+
+
+def test_progress_display_one_per_train_call(trained, monkeypatch):
+    sink = _sinked(monkeypatch, trained)
+    _run(trained, "p = Nitro(Tiny(hidden=6), data=data, batch_size=2)")  # 24 steps an epoch
+    outputs = _captured(_run, trained, "p.train(3)")
+    front = sink.front
+    first, *updates = outputs
+    assert not first.update and all(u.update for u in updates)
+    assert {u.transient["display_id"] for u in updates} == {first.transient["display_id"]}
+    assert first.data["text/plain"].startswith("nitro_ipy: epoch 1/3 | step 1/24")
+    # Updated at the epoch ends, at most every 0.25 s between, and once at the end: never per step.
+    assert len(updates) == front.updates and 3 <= front.updates < 72
+    final = updates[-1].data["text/plain"].splitlines()
+    assert [line.split()[1] for line in final] == ["compiled", "epoch", "epoch", "epoch"]
+    assert final[0].startswith("nitro_ipy: compiled eval [forward, loss]")
+    assert [r["epoch"] for r in trained.user_ns["p"].history] == [1, 2, 3]
+    assert final[3] == _report.message("epoch", record=trained.user_ns["p"].history[-1]).text
+    assert "nitro-progress-running" not in updates[-1].data["text/html"]
+
+
+def test_progress_display_says_where_an_interrupt_landed(trained, monkeypatch):
+    from nitro_ipy import _loop
+
+    sink = _sinked(monkeypatch, trained)
+    ns = trained.user_ns
+    p = ns["Nitro"](ns["Tiny"](hidden=6), data=ns["data"], batch_size=16)
+    real = _loop.check_losses
+
+    def interrupt_in_epoch_2(n, losses, total, count, bar, *rest):
+        if n.epoch == 1:
+            raise KeyboardInterrupt
+        return real(n, losses, total, count, bar, *rest)
+
+    monkeypatch.setattr(_loop, "check_losses", interrupt_in_epoch_2)
+
+    def train():
+        with pytest.raises(KeyboardInterrupt):
+            p.train(3)
+
+    outputs = _captured(train)
+    assert outputs[-1].data["text/plain"].splitlines()[-1] == (
+        "nitro_ipy: training interrupted at epoch 2, step 3/3; the handle is usable")
+    assert sink.front.progress.status.startswith("training interrupted")
+    assert [r["epoch"] for r in p.history] == [1] and p.step == 6
+
+
+def test_plot_is_the_panels_chart_of_the_history(trained):
+    n = trained.user_ns["n"]  # trained with progress=False: the curve is per epoch
+    _run(trained, "n.train(2)")
+    chart = n.plot()
+    assert chart.train == [(1, n.history[0]["loss"]), (2, n.history[1]["loss"]), (3, n.history[2]["loss"])]
+    assert chart.valid == [(float(r["epoch"]), r["valid_loss"]) for r in n.history]
+    bundle = chart._repr_mimebundle_()
+    assert bundle["text/html"].count("r='3'") == 3 and "<polyline" in bundle["text/html"]
+    assert bundle["text/plain"] == (f"nitro_ipy loss chart: train loss {n.history[0]['loss']:.4g} → "
+                                    f"{n.history[-1]['loss']:.4g} (3 points), valid loss "
+                                    f"{n.history[-1]['valid_loss']:.4g} at epoch 3")
 
 
 def test_missing_ipywidgets_degrades_to_text_with_one_hint(shell, monkeypatch, capsys):
@@ -398,56 +479,85 @@ def test_missing_ipywidgets_degrades_to_text_with_one_hint(shell, monkeypatch, c
 
 
 # ------------------------------------------------------------------------------------------------ panel
-def test_panel_shows_the_cache_and_the_latest_compile(trained):
+def _shown(panel):
+    """Show `panel`, returning its three outputs' first data."""
+    return [o.data for o in _captured(panel.show)]
+
+
+def test_panel_shows_the_cache_and_the_latest_compile(trained, monkeypatch):
     from nitro_ipy._widgets import Panel
 
     panel = Panel(min_interval=0)
     panel.attach()
     try:
-        _run(trained, EDIT + "n = n.rebuild(); n.train()")
+        main, latest, stop_slot = _shown(panel)
+        assert main["text/plain"].startswith("nitro_ipy panel: hits 4 | misses 3 | entries 3 | poisoned 0 | "
+                                             "latest compile: eval [forward, loss] in ")
+        assert stop_slot == {"text/plain": "", "text/html": ""}
+        assert "flex-wrap: wrap" in main["text/html"] and main["text/html"].count("nitro-chip-plain") == 4
+        updates = _captured(_run, trained, EDIT + "n = n.rebuild(); n.train()")
         stats = nitro_ipy.cache_stats()
-        values = [w.value for w in (panel.hits, panel.misses, panel.entries, panel.poisoned)]
-        assert values[1:] == ["5", "3", "2"] and int(values[0]) <= stats.hits
+        main_id, latest_id, _ = [h.display_id for h in panel._displays[0]]
+        assert {u.transient["display_id"] for u in updates} <= {main_id, latest_id}
         panel.flush()
-        panel.refresh()
-        assert panel.hits.value == str(stats.hits)
-        assert [w.description for w in (panel.hits, panel.misses, panel.entries, panel.poisoned)] == [
-            "hits", "misses", "entries", "poisoned"]
-        assert panel.latest_entry.kind == "eval"
-        assert panel.latest.value.startswith("eval [forward, loss] in ")
-        assert panel.latest.value.endswith(" s (recompiling against edited code: __main__.helper)")
+        last_main = [u for u in updates if u.transient["display_id"] == main_id][-1].data
         assert panel.text() == (
             f"nitro_ipy panel: hits {stats.hits} | misses 5 | entries 3 | poisoned 2 | latest compile: "
-            + panel.latest.value
+            f"eval [forward, loss] in {panel.latest_entry.trace_s + panel.latest_entry.compile_s:.2f} s "
+            "(recompiling against edited code: __main__.helper)"
         )
-        bundle = panel._repr_mimebundle_()
-        assert bundle["text/plain"] == panel.text()
-        assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == panel.widget.model_id
+        # A warning chip while programs compiled before an edit are around.
+        assert "stale: 2 programs compiled before an edit" in last_main["text/html"]
+        last_latest = [u for u in updates if u.transient["display_id"] == latest_id][-1].data
+        assert "<details><summary>latest compile: <code" not in last_latest["text/html"]
+        assert "why: recompiling against edited code: __main__.helper" in last_latest["text/html"]
         assert Panel().latest_entry is panel.latest_entry  # a new panel starts from the latest compile
         nitro_ipy.cache_reset()
         assert panel.text() == "nitro_ipy panel: hits 0 | misses 0 | entries 0 | poisoned 0 | latest compile: none yet"
-        assert panel.hits.value == "0" and panel.latest.value == "none yet"
     finally:
         panel.detach()
     assert panel.on_compile not in _cache.subscribers("compile") and panel.on_reset not in _cache.subscribers("reset")
-    assert panel.on_progress not in _cache.subscribers("progress")
+    assert panel.on_progress not in _cache.subscribers("progress") and panel.on_run not in _cache.subscribers("run")
+
+
+def test_panel_draws_the_loss_chart_of_the_running_train(trained, monkeypatch):
+    from nitro_ipy._widgets import Panel
+
+    _sinked(monkeypatch, trained)
+    panel = Panel(min_interval=0)
+    panel.attach()
+    try:
+        _shown(panel)
+        _captured(_run, trained, "p = Nitro(Tiny(hidden=6), data=data, batch_size=16); p.train(2)")
+        p = trained.user_ns["p"]
+        chart = panel.chart()
+        assert chart.valid == [(1.0, p.history[0]["valid_loss"]), (2.0, p.history[1]["valid_loss"])]
+        assert chart.train[-1] == (2.0, pytest.approx(chart.train[-1][1])) and len(chart.train) >= 2
+        main, _ = panel.outputs()
+        assert "<svg class='nitro-chart'" in main.html and main.html.count("r='3'") == 2  # the validation dots
+        assert main.text.splitlines()[1] == repr(chart)
+    finally:
+        panel.detach()
 
 
 def test_panel_updates_are_throttled_and_flushed(trained):
     from nitro_ipy._widgets import Panel
 
-    panel = Panel(min_interval=3600)  # nothing but the first refresh gets through the throttle
+    panel = Panel(min_interval=3600)  # nothing but forced refreshes get through the throttle
     panel.attach()
     try:
-        assert panel.refreshes == 0
-        _run(trained, EDIT + "n = n.rebuild(); n.train()")
+        _shown(panel)
+        panel._last = __import__("time").monotonic()
+        _captured(_run, trained, EDIT + "n = n.rebuild(); n.train()")
         for fn in _cache.subscribers("progress"):
             fn()  # what the handle's step loop calls at its sync points
-        assert panel.refreshes == 0 and panel.misses.value == "3" and panel._dirty
-        panel.flush()
-        assert panel.refreshes == 1 and panel.misses.value == "5"
-        panel.flush()  # nothing deferred: nothing sent
-        assert panel.refreshes == 1
+        assert panel.refreshes == 0 and panel._dirty
+        outputs = _captured(panel.flush)
+        assert panel.refreshes == 1 and len(outputs) == 2  # both outputs changed
+        assert "misses 5" in outputs[0].data["text/plain"]
+        assert _captured(panel.flush) == [] and panel.refreshes == 1  # nothing deferred: nothing sent
+        panel._dirty = True
+        assert _captured(panel.flush) == [] and panel.refreshes == 1  # nothing changed: nothing sent
     finally:
         panel.detach()
 
@@ -485,22 +595,65 @@ def test_nitro_panel_in_a_widget_kernel(shell, monkeypatch, capsys):
     _widget_kernel(monkeypatch)
     shell.run_line_magic("load_ext", "nitro_ipy")
     shell.run_line_magic("nitro_panel", "")
-    shell.run_line_magic("nitro_panel", "")  # shown twice: one panel, two views
+    shell.run_line_magic("nitro_panel", "")  # shown twice: one panel, two places
     panel = _extension.loaded_magics(shell).panel
     assert _report.sink().panel is panel and panel.on_compile in _cache.subscribers("compile")
-    assert capsys.readouterr().out.splitlines() == [panel.text()] * 2
+    assert len(panel._displays) == 2
+    assert capsys.readouterr().out.splitlines() == [panel.text(), "latest compile: none yet", ""] * 2
     shell.run_line_magic("unload_ext", "nitro_ipy")
     assert panel.on_compile not in _cache.subscribers("compile") and panel.on_progress not in _cache.subscribers("progress")
-    assert panel.widget.comm is None and panel.hits.comm is None  # closed: its views disappear
 
 
 def test_panel_recompile_loop_turns_it_warning():
     from nitro_ipy._widgets import Panel
 
     panel = Panel(min_interval=0)
-    assert panel.widget.box_style == ""
-    panel.on_message(_report.Message("recompile-loop", "nitro_ipy: recompile loop", {}))
-    assert panel.widget.box_style == "warning"
+    assert "nitro-plain nitro-panel" in panel.outputs()[0].html
+    panel.on_message(_report.Message("recompile-loop", "nitro_ipy: recompile loop", {"program": "grad"}))
+    assert "nitro-warning nitro-panel" in panel.outputs()[0].html
+    assert "recompile loop in <code" in panel.outputs()[0].html
     panel.on_reset()
-    assert panel.widget.box_style == ""
+    assert "nitro-plain nitro-panel" in panel.outputs()[0].html
     panel.detach()
+
+
+class _Run:
+    """A background run as the panel sees it: `stop()`, and `done` once it ended."""
+
+    def __init__(self):
+        self.done, self.stopped = False, 0
+
+    def stop(self):
+        self.stopped += 1
+        self.done = True
+
+    summary = "stopped at epoch 1"
+
+
+def test_panel_stop_button_stops_a_background_run_and_ends_as_html():
+    from nitro_ipy._widgets import Panel
+
+    panel = Panel(min_interval=0)
+    panel.attach()
+    try:
+        _shown(panel)
+        run = _Run()
+        stop_id = panel._displays[0][2].display_id
+        (shown,) = [o for o in _captured(_cache.publish, "run", run)  # the runs side publishes its run at start
+                    if o.transient["display_id"] == stop_id]
+        assert "background run active" in panel.outputs()[0].html
+        assert panel.stop_button.widget.description == "Stop"
+        assert "application/vnd.jupyter.widget-view+json" in shown.data
+        outputs = [o for o in _captured(panel.stop_button.widget.click) if o.transient["display_id"] == stop_id]
+        assert run.stopped == 1
+        assert outputs[0].data["text/plain"] == "stop asked: the run ends at the next step boundary, nothing lost"
+        assert panel.stop_button.widget.comm is None
+        # An unclicked button of a run that ended is retired with the run's summary.
+        other = _Run()
+        _captured(_cache.publish, "run", other)
+        other.done = True
+        (retired,) = [o for o in _captured(panel.refresh, True) if "background run" in o.data["text/plain"]]
+        assert retired.data["text/plain"] == "background run ended: stopped at epoch 1"
+        assert panel.run is None
+    finally:
+        panel.detach()

@@ -232,11 +232,11 @@ def test_flat_layout_keeps_optimizer_state_small():
 
     n = Nitro(Deep(), data={"train": _data(64)}, batch_size=16, progress=False)
     assert len(jax.tree.leaves(n.params)) == 40
-    assert len(jax.tree.leaves(n.state)) == 3  # adam: count, mu, nu, each one float32 buffer
+    assert len(jax.tree.leaves(n.opt_state)) == 3  # adam: count, mu, nu, each one float32 buffer
     n.train()
-    assert len(jax.tree.leaves(n.state)) == 3
+    assert len(jax.tree.leaves(n.opt_state)) == 3
     tree = Nitro(Deep(), data={"train": _data(64)}, batch_size=16, progress=False, flat_params=False)
-    assert len(jax.tree.leaves(tree.state)) == 81
+    assert len(jax.tree.leaves(tree.opt_state)) == 81
 
 
 def test_predict_matches_forward_over_ragged_batches():
@@ -379,7 +379,7 @@ def test_interrupt_mid_epoch_leaves_handle_usable():
     with pytest.raises(KeyboardInterrupt):
         n.train()
     assert n.step == 4  # the step in flight finished and stored its results
-    assert not any(x.is_deleted() for x in jax.tree.leaves((n.params, n.state)))
+    assert not any(x.is_deleted() for x in jax.tree.leaves((n.params, n.opt_state)))
     n.train()
     assert n.step == 14
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

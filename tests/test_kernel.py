@@ -1,5 +1,6 @@
-"""The extension in a real kernel (`jupyter_client`): rich messages as widgets over comms, the button
-clicked the way a front end clicks it, `%nitro_stats` and `%nitro_panel` outputs.
+"""The extension in a real kernel (`jupyter_client`): messages and the panel as HTML display outputs
+updated in place, the Rebuild button (the one widget) clicked the way a front end clicks it, the progress
+display, `%nitro_stats` and `%nitro_panel` outputs.
 
 One kernel for the module. Cell files here are `.../ipykernel_PID/HASH.py`, not `<ipython-input-N-...>`.
 """
@@ -44,10 +45,19 @@ class Kernel:
         out = self.run(f"import json as _json; print(_json.dumps({expr}))")
         return json.loads("".join(m["content"]["text"] for m in out if m["msg_type"] == "stream"))
 
-    def send_comm(self, comm_id: str, data: dict) -> None:
+    def send_comm(self, comm_id: str, data: dict, timeout: float = 60) -> list[dict]:
+        """Send a comm message as a front end does; returns the iopub messages it caused (up to idle)."""
         content = {"comm_id": comm_id, "data": data}
         msg = self.client.session.msg("comm_msg", content)
         self.client.shell_channel.send(msg)
+        messages = []
+        while True:
+            reply = self.client.get_iopub_msg(timeout=timeout)
+            if reply["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
+                continue
+            if reply["msg_type"] == "status" and reply["content"]["execution_state"] == "idle":
+                return messages
+            messages.append(reply)
 
 
 @pytest.fixture(scope="module")
@@ -111,66 +121,136 @@ def test_cells_are_not_watched(session):
     assert session.value("sorted(nitro_ipy._watch.watched())") == []
 
 
-def test_stale_messages_are_widgets_and_the_button_rebuilds(session):
+def test_stale_messages_are_html_and_only_the_button_is_a_widget(session):
     messages = session.run("records = n.train()")
     displays = [m["content"]["data"] for m in _of(messages, "display_data")]
-    assert [d["text/plain"].split(":")[0] for d in displays] == ["nitro_ipy", STALE_LINE]
-    cache_msg, handle_msg = displays
+    assert [d["text/plain"].split(":")[0] for d in displays] == ["nitro_ipy", STALE_LINE, "[Rebuild handle]"]
+    cache_msg, handle_msg, button_out = displays
     assert cache_msg["text/plain"].startswith(
         "nitro_ipy: 2 cached programs (eval, grad) poisoned; redefined: __main__.helper."
     )
     assert handle_msg["text/plain"].startswith(STALE_LINE + ": __main__.helper (eval, grad).")
-    assert all(set(d) == {WIDGET_VIEW, "text/plain", "text/html"} for d in displays)
+    # The messages are HTML, styled with JupyterLab's variables (with fallbacks), a title line first.
+    assert set(cache_msg) == set(handle_msg) == {"text/plain", "text/html"}
+    assert "var(--jp-info-color1, #0288d1)" in cache_msg["text/html"]
+    assert ">Edit seen: 2 cached programs poisoned</div>" in cache_msg["text/html"]
+    assert "var(--jp-warn-color1, #f57c00)" in handle_msg["text/html"]
+    assert ">This handle runs code compiled before your edit</div>" in handle_msg["text/html"]
+    assert "! this" not in handle_msg["text/html"]
+    assert set(button_out) == {WIDGET_VIEW, "text/plain"}
     assert _stream(messages) == ""  # rich in a notebook: no duplicate text line
 
     states = _widget_opens(messages)
-    boxes = {cid: s for cid, s in states.items() if s["_model_name"] == "VBoxModel"}
-    assert sorted(s["box_style"] for s in boxes.values()) == ["info", "warning"]
-    assert {d[WIDGET_VIEW]["model_id"] for d in displays} == set(boxes)
+    assert sorted(s["_model_name"] for s in states.values()) == ["ButtonModel", "ButtonStyleModel", "LayoutModel"]
     (button_id, button), = [(cid, s) for cid, s in states.items() if s["_model_name"] == "ButtonModel"]
-    assert (button["description"], button["button_style"]) == ("Rebuild handle", "warning")
+    assert (button["_model_name"], button["description"], button["button_style"]) == (
+        "ButtonModel", "Rebuild handle", "warning")
+    assert button_out[WIDGET_VIEW]["model_id"] == button_id
+    (button_display,) = [m["content"]["transient"]["display_id"] for m in _of(messages, "display_data")
+                         if WIDGET_VIEW in m["content"]["data"]]
 
-    # Click as a front end does: a custom comm message to the button's model.
-    session.send_comm(button_id, {"method": "custom", "content": {"event": "click"}})
+    # Click as a front end does: a custom comm message to the button's model. Its output becomes the
+    # result as HTML (what the saved notebook keeps) and the widget is closed.
+    clicked = session.send_comm(button_id, {"method": "custom", "content": {"event": "click"}})
+    (update,) = [m["content"] for m in _of(clicked, "update_display_data")]
+    assert update["transient"]["display_id"] == button_display
+    assert update["data"]["text/plain"] == "rebuilt: n, n_alias -> new handle"
+    assert set(update["data"]) == {"text/plain", "text/html"}
+    assert "var(--jp-success-color1" in update["data"]["text/html"]
+    assert button_id in [m["content"]["comm_id"] for m in _of(clicked, "comm_close")]
     assert session.value("[n is n_alias, n.step, type(n).__name__]") == [True, 6, "Nitro"]
-    assert session.value("nitro_ipy._extension.loaded_magics(get_ipython()).sink.views[-1].output.outputs[0]['text']") == (
-        "rebuilt: n, n_alias -> new handle\n"
-    )
     messages = session.run("records = n.train()")
     assert [line.split()[2] for line in _stream(messages).splitlines()] == ["grad", "eval"]
     assert _of(messages, "display_data") == []
 
 
+def test_an_unclicked_rebuild_button_is_retired_when_no_name_holds_its_handle(session):
+    session.run("def helper(r):\n    return r ** 2\n")
+    messages = session.run("records = n.train()")
+    (button_id,) = [cid for cid, s in _widget_opens(messages).items() if s["_model_name"] == "ButtonModel"]
+    (display_id,) = [m["content"]["transient"]["display_id"] for m in _of(messages, "display_data")
+                     if WIDGET_VIEW in m["content"]["data"]]
+    messages = session.run("n = n.rebuild(); n_alias = n")  # rebuilt by hand: the button has nothing to do
+    (update,) = [m["content"] for m in _of(messages, "update_display_data")]
+    assert update["transient"]["display_id"] == display_id
+    assert update["data"]["text/plain"].startswith("no longer needed: no name holds that handle any more")
+    assert button_id in [m["content"]["comm_id"] for m in _of(messages, "comm_close")]
+    session.run("records = n.train()")
+
+
+def test_one_progress_display_per_train_call_ending_as_its_lines(session):
+    messages = session.run("p = Nitro(Tiny(hidden=7), data=data, batch_size=16); records = p.train(2)")
+    out = _stream(messages)
+    assert [line.split()[2] for line in out.splitlines()] == ["grad", "opt"]  # said before the display
+    (shown,) = _of(messages, "display_data")
+    display_id = shown["content"]["transient"]["display_id"]
+    assert set(shown["content"]["data"]) == {"text/plain", "text/html"}
+    assert shown["content"]["data"]["text/plain"].startswith("nitro_ipy: epoch 1/2 | step 1/3")
+    updates = [m["content"] for m in _of(messages, "update_display_data")]
+    assert {u["transient"]["display_id"] for u in updates} == {display_id}
+    final = updates[-1]["data"]["text/plain"].splitlines()
+    assert [line.split()[1:3] for line in final] == [["compiled", "eval"], ["epoch", "1"], ["epoch", "2"]]
+    assert final[1].startswith("nitro_ipy: epoch 1 | loss ") and "valid_loss" in final[1]
+    assert "nitro-progress-running" not in updates[-1]["data"]["text/html"]
+    assert _widget_opens(messages) == {}  # no widget: nothing to lose on a reopen
+
+
 def test_nitro_stats_output(session):
     (result,) = _of(session.run("%nitro_stats"), "execute_result")
     data = result["content"]["data"]
-    assert data["text/plain"].splitlines()[0].endswith("| misses 5 | entries 3 | poisoned 2")
-    assert "<th>argument shapes</th>" in data["text/html"]
-    assert data["text/html"].count("poisoned (__main__.helper)") == 2
+    assert data["text/plain"].splitlines()[0].endswith("| misses 10 | entries 6 | poisoned 4")
+    assert "white-space: nowrap'>inputs</th>" in data["text/html"]
+    assert "parameters 16 float32 (v, w); batch x [16, 3], y [16]" in data["text/html"]
+    assert data["text/html"].count("poisoned (__main__.helper)") == 4
 
 
-def test_nitro_panel_is_a_widget_with_text_fallbacks(session):
+def test_nitro_panel_is_html_updated_in_place(session):
     messages = session.run("%nitro_panel")
-    (display,) = [m["content"] for m in _of(messages, "display_data")]
+    shown = [m["content"] for m in _of(messages, "display_data")]
+    assert _widget_opens(messages) == {}
+    main, latest, stop_slot = shown
     stats = session.value("list(nitro_ipy.cache_stats())")
-    latest = "eval [forward, loss] in {} s (recompiling against edited code: __main__.helper)".format(
-        session.value("'%.2f' % (lambda e: e.trace_s + e.compile_s)(nitro_ipy._cache.live_entries()[-1])"))
-    assert display["data"]["text/plain"] == (
-        f"nitro_ipy panel: hits {stats[0]} | misses 5 | entries 3 | poisoned 2 | latest compile: {latest}"
+    seconds = session.value("'%.2f' % (lambda e: e.trace_s + e.compile_s)(nitro_ipy._cache.live_entries()[-1])")
+    assert main["data"]["text/plain"].splitlines()[0] == (
+        f"nitro_ipy panel: hits {stats[0]} | misses {stats[1]} | entries {stats[2]} | poisoned 4 | latest compile: "
+        f"eval [forward, loss] in {seconds} s (GraphConst `hidden`: 4 -> 7, and 2 argument changes that follow)"
     )
-    states = _widget_opens(messages)  # each widget opens with its value: no update message follows
-    labels = {s["description"]: s["value"] for s in states.values() if s["_model_name"] == "HTMLModel" and s["description"]}
-    assert labels == {"hits": str(stats[0]), "misses": "5", "entries": "3", "poisoned": "2", "latest compile": latest}
-    assert _of(messages, "comm_msg") == []
-    panel_id = display["data"][WIDGET_VIEW]["model_id"]
-    assert states[panel_id]["_model_name"] == "VBoxModel"
+    assert "stale: 4 programs compiled before an edit" in main["data"]["text/html"]
+    assert latest["data"]["text/plain"].startswith("latest compile: eval [forward, loss] in ")
+    assert "<details><summary>" in latest["data"]["text/html"]
+    assert stop_slot["data"] == {"text/plain": "", "text/html": ""}
+    ids = [d["transient"]["display_id"] for d in shown]
 
-    # Training updates the panel's widgets (comm updates), and the cell end refreshes the text fallback.
-    messages = session.run("n = Nitro(Tiny(hidden=5), data=data, batch_size=16, progress=False); records = n.train()")
-    updates = [m["content"]["data"] for m in _of(messages, "comm_msg") if m["content"]["data"].get("method") == "update"]
-    assert any(u["state"].get("value") == "6" for u in updates)  # misses 5 -> 8 passes through 6
-    (update,) = [m["content"] for m in _of(messages, "update_display_data")]
-    assert update["data"]["text/plain"].startswith(
-        f"nitro_ipy panel: hits {session.value('nitro_ipy.cache_stats().hits')} | misses 8 | entries 6 | "
-        "poisoned 2 | latest compile: eval [forward, loss] in "
+    # Training updates the panel's outputs in place; a GraphConst change is summarised by its field.
+    messages = session.run("q = Nitro(Tiny(hidden=5), data=data, batch_size=16, progress=False); records = q.train()")
+    updates = [m["content"] for m in _of(messages, "update_display_data")]
+    assert {u["transient"]["display_id"] for u in updates} <= set(ids[:2])
+    last_main = [u for u in updates if u["transient"]["display_id"] == ids[0]][-1]
+    assert last_main["data"]["text/plain"].startswith(
+        f"nitro_ipy panel: hits {session.value('nitro_ipy.cache_stats().hits')} | misses {stats[1] + 3} | "
+        f"entries {stats[2] + 3} | poisoned 4 | latest compile: eval [forward, loss] in "
     )
+    last_latest = [u for u in updates if u["transient"]["display_id"] == ids[1]][-1]
+    assert last_latest["data"]["text/plain"].endswith("(GraphConst `hidden`: 4 -> 5, and 2 argument changes that follow)")
+    assert "hidden</code>: 4 -&gt; 5, and 2 argument changes that follow</div>" in last_latest["data"]["text/html"]
+    assert "shape" not in last_latest["data"]["text/html"]
+    assert _widget_opens(messages) == {}
+
+
+def test_the_panel_draws_a_background_run_while_the_kernel_is_idle(session):
+    """The worker never touches an output: the panel's refresh is scheduled on the kernel's event loop,
+    which runs it between cells, so the figures move while nothing executes."""
+    (main, *_rest) = [m["content"] for m in _of(session.run("%nitro_panel"), "display_data")]
+    panel_id = main["transient"]["display_id"]
+    session.run("r = Nitro(Tiny(hidden=9), data=data, batch_size=2); run = r.train(100000, background=True)")
+    seen = []
+    import time
+
+    end = time.monotonic() + 60
+    while time.monotonic() < end and len(seen) < 2:  # a compile and a sync point, at least
+        msg = session.client.get_iopub_msg(timeout=60)
+        if msg["msg_type"] == "update_display_data" and msg["content"]["transient"]["display_id"] == panel_id:
+            seen.append(msg["content"]["data"]["text/plain"])
+    session.run("run.stop(); rows = run.wait()")
+    assert len(seen) == 2 and all(s.startswith("nitro_ipy panel: hits ") for s in seen)
+    assert session.value("[run.done, r.step > 0]") == [True, True]

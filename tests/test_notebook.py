@@ -36,6 +36,17 @@ def _stream(cell) -> str:
     return "".join(o.text for o in cell.outputs if o.output_type == "stream")
 
 
+def _text(cell) -> str:
+    """What a plain-text reader of the saved cell sees: printed lines and every display's text/plain."""
+    parts = []
+    for o in cell.outputs:
+        if o.output_type == "stream":
+            parts.append(o.text)
+        elif o.output_type == "display_data" and o.data.get("text/plain"):
+            parts.append(o.data["text/plain"] + "\n")
+    return "".join(parts)
+
+
 def _displays(cell) -> list:
     return [o.data for o in cell.outputs if o.output_type == "display_data"]
 
@@ -49,21 +60,30 @@ def test_the_notebook_is_stored_without_outputs():
 
 
 def test_acceptance_check(executed):
-    out = _stream(_cell(executed, "nitro_ipy.cache_reset(); n = Nitro(e"))
+    cell = _cell(executed, "nitro_ipy.cache_reset(); n = Nitro(e")
+    out = _text(cell)
     assert COMPILED.findall(out) == ["grad", "opt", "eval"]
+    # One progress display for the call, ending as its lines: the eval compile and the epoch line.
+    (progress,) = [d for d in _displays(cell) if "nitro-progress" in d.get("text/html", "")]
+    lines = progress["text/plain"].splitlines()
+    assert [line.split()[1] for line in lines] == ["compiled", "epoch"]
+    assert lines[1].startswith("nitro_ipy: epoch 1 | loss ") and " | valid_mae " in lines[1]
     assert "CacheStats(hits=21, misses=3, entries=3)\nmisses == entries: True\n" in out
 
 
 def test_more_epochs_compile_nothing(executed):
     cell = _cell(executed, "n.train(3)")
-    assert COMPILED.findall(_stream(cell)) == []
+    assert COMPILED.findall(_text(cell)) == []
+    (progress,) = _displays(cell)
+    assert [line.split()[:3] for line in progress["text/plain"].splitlines()] == [
+        ["nitro_ipy:", "epoch", "2"], ["nitro_ipy:", "epoch", "3"], ["nitro_ipy:", "epoch", "4"]]
     (result,) = [o for o in cell.outputs if o.output_type == "execute_result"]
     assert result.data["text/plain"] == "CacheStats(hits=93, misses=3, entries=3)"
 
 
 def test_training_the_old_handle_shows_both_messages(executed):
     cell = _cell(executed, "n.train(1);")
-    messages = [d for d in _displays(cell) if "text/html" in d]  # the progress bar has text/plain only
+    messages = [d for d in _displays(cell) if "nitro-message" in d.get("text/html", "")]
     assert [m["text/plain"].split(":")[0] for m in messages] == ["nitro_ipy", STALE_LINE.split(":")[0]]
     cache_msg, handle_msg = messages
     assert cache_msg["text/plain"] == (
@@ -71,18 +91,24 @@ def test_training_the_old_handle_shows_both_messages(executed):
         "now on recompile against the current code."
     )
     assert handle_msg["text/plain"].startswith(STALE_LINE)
-    assert all(WIDGET_VIEW in m for m in messages)
-    state = executed.metadata.widgets["application/vnd.jupyter.widget-state+json"]["state"]
-    boxes = [state[m[WIDGET_VIEW]["model_id"]]["state"] for m in messages]
-    assert [b["box_style"] for b in boxes] == ["info", "warning"]
-    (button,) = [state[c.split("IPY_MODEL_")[1]]["state"] for c in boxes[1]["children"]
-                 if state[c.split("IPY_MODEL_")[1]]["model_name"] == "ButtonModel"]
-    assert (button["description"], button["button_style"]) == ("Rebuild handle", "warning")
-    assert COMPILED.findall(_stream(cell)) == []  # the old handle keeps its programs: nothing compiles
+    assert "nitro-info" in cache_msg["text/html"] and "nitro-warning" in handle_msg["text/html"]
+    # The Rebuild button was retired when the next cell rebuilt `n` by hand: the saved output says so.
+    (button,) = [d for d in _displays(cell) if "nitro-action" in d.get("text/html", "")]
+    assert button["text/plain"] == "no longer needed: no name holds that handle any more (it was rebuilt or dropped)"
+    assert COMPILED.findall(_text(cell)) == []  # the old handle keeps its programs: nothing compiles
+
+
+def test_the_saved_notebook_needs_no_widget(executed):
+    """Every output is its final HTML + text: a reopen on a fresh kernel has no widget model to miss."""
+    outputs = [o for c in executed.cells if c.cell_type == "code" for o in c.outputs]
+    assert [o for o in outputs if WIDGET_VIEW in o.get("data", {})] == []
+    assert all({"text/plain", "text/html"} <= set(o.data) for o in outputs if o.output_type == "display_data")
+    state = executed.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {})
+    assert state.get("state", {}) == {}
 
 
 def test_the_rebuilt_handle_recompiles_only_grad_and_eval(executed):
-    out = _stream(_cell(executed, "n = n.rebuild()"))
+    out = _text(_cell(executed, "n = n.rebuild()"))
     assert COMPILED.findall(out) == ["grad", "eval"]
     assert out.count("(recompiling against edited code: __main__.huber)") == 2
     assert "dependency methods redefined" not in out
@@ -95,15 +121,19 @@ def test_nitro_stats(executed):
     assert re.fullmatch(r"nitro_ipy cache: hits \d+ \| misses 5 \| entries 3 \| poisoned 2", text[0])
     assert [line.split()[0] for line in text[2:7]] == ["opt", "grad", "eval", "grad", "eval"]
     assert [line.endswith("poisoned (__main__.huber)") for line in text[2:7]] == [False, False, False, True, True]
-    assert "<th>state</th>" in result.data["text/html"]
+    assert "white-space: nowrap'>state</th>" in result.data["text/html"]
+    assert "why: GraphConst" not in result.data["text/html"]
 
 
 def test_the_panel_text_fallback_ends_up_current(executed):
-    (panel,) = _displays(_cell(executed, "%nitro_panel"))
+    panel, latest, stop_slot = _displays(_cell(executed, "%nitro_panel"))
+    assert stop_slot == {"text/plain": "", "text/html": ""}
+    assert latest["text/plain"].startswith("latest compile: eval [forward, loss] in ")
+    assert "<svg class='nitro-chart'" in panel["text/html"]  # the chart, saved as SVG
     assert re.fullmatch(
         r"nitro_ipy panel: hits \d+ \| misses 5 \| entries 3 \| poisoned 2 \| latest compile: "
         r"eval \[forward, loss\] in \d+\.\d\d s \(recompiling against edited code: __main__.huber\)",
-        panel["text/plain"],
+        panel["text/plain"].splitlines()[0],
     )
 
 

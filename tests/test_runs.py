@@ -254,7 +254,7 @@ def _sigint_from_a_thread():
 
 
 def test_ctrl_c_ends_a_foreground_train_with_one_line():
-    n = _handle(lambda s: _sigint_from_a_thread() if s == 13 else 0.0, max_epochs=3)
+    n = _handle(lambda s: (_sigint_from_a_thread() or 0.0) if s == 13 else 0.0, max_epochs=3)
     with pytest.raises(nitro_ipy.TrainingInterrupted) as err:
         n.train()
     text = INTERRUPTED.format(2, 4, 10)
@@ -285,7 +285,7 @@ def test_ctrl_c_in_a_script_ends_with_the_message(tmp_path):
         import os, signal, sys
         sys.path.insert(0, {str(ROOT / 'tests')!r})
         from test_runs import _handle
-        _handle(lambda s: os.kill(os.getpid(), signal.SIGINT) if s == 4 else 0.0).train()
+        _handle(lambda s: (os.kill(os.getpid(), signal.SIGINT) or 0.0) if s == 4 else 0.0).train()
     """))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
@@ -424,7 +424,7 @@ def test_ctrl_c_in_an_ipython_shell_prints_one_line(capsys):
 
     ip = InteractiveShell.instance()
     ip.user_ns.update(_handle=_handle, os=os, signal=signal)
-    result = ip.run_cell("n = _handle(lambda s: os.kill(os.getpid(), signal.SIGINT) if s == 4 else 0.0)\nn.train()\n")
+    result = ip.run_cell("n = _handle(lambda s: (os.kill(os.getpid(), signal.SIGINT) or 0.0) if s == 4 else 0.0)\nn.train()\n")
     assert isinstance(result.error_in_exec, nitro_ipy.TrainingInterrupted)
     lines = capsys.readouterr().out.strip().splitlines()
     assert [line for line in lines if not line.startswith("nitro_ipy: compiled")] == [INTERRUPTED.format(1, 5, 10)]

@@ -118,7 +118,7 @@ def test_data_parallel_matches_one_device_with_the_same_counts(tmp_path):
     _, one = run()
     n, many = run(mesh=mesh)  # the same experiment on 4 devices: every key moves (shardings), 5 new programs
     grad = next(e for e in n._programs.values() if e.kind == "grad")
-    batch_specs = [s.spec for s in jax.tree.leaves(grad.call.input_shardings[0][2])]
+    batch_specs = [s.spec for s in jax.tree.leaves(grad.call.input_shardings[0][3])]  # (params, state, dev, batch, rng)
     # Inside `jax.set_mesh`, a handle given no mesh runs on the ambient one: the same keys, no compile.
     before = nitro_ipy.cache_stats()
     with jax.set_mesh(mesh):

@@ -1,0 +1,179 @@
+"""Non-finite steps never reach the parameters.
+
+The optimizer program checks, on device, the step's loss, each gradient buffer and each floating Device
+field (`parts`), and keeps the old parameters and optimizer state (a `jnp.where` per buffer, inside the
+program that donates them) when any is non-finite. A small `guard` (one int32 vector, so a step
+dispatches one more buffer, not four) is carried from step to step through the same program:
+
+- `guard[STEPS]`: steps seen since the guard was made (the epoch's start);
+- `guard[BAD]`: how many of them were not applied;
+- `guard[FIRST]`: the index of the first bad one (-1: none); `guard[WHY:]`: which parts were non-finite
+  at that step (1 = non-finite).
+
+`halt=True` (`on_nonfinite="raise"`) makes a bad step sticky: no later step of the epoch applies either,
+so the handle holds exactly the parameters of the last finite step when the loop sees the guard at its
+next sync point (no per-step host sync). `halt=False` (`"skip"`) skips each bad step on its own.
+
+The host side (`diagnose`) turns a guard into the error: which step, what was non-finite, the fix.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._errors import NonFiniteLossError
+
+STEPS, BAD, FIRST, WHY = 0, 1, 2, 3
+
+
+def _floating(x) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return jnp.issubdtype(np.asarray(x).dtype if dtype is None else dtype, jnp.inexact)
+
+
+def parts(loss, flat_grads, dev: dict) -> list:
+    """The values a step checks, in the order of `labels`: the loss, each gradient leaf (one per flat
+    buffer), each floating Device field."""
+    grads = [g for g in jax.tree.leaves(flat_grads) if _floating(g)]
+    return [loss, *grads, *(dev[k] for k in sorted(dev) if _floating(dev[k]))]
+
+
+def labels(flat_grads, dev: dict) -> list[str]:
+    """What each of `parts` is, for the error message (works on arrays or avals)."""
+    out = ["the training loss"]
+    for path, g in jax.tree_util.tree_flatten_with_path(flat_grads)[0]:
+        if _floating(g):
+            out.append(f"the gradient of {_buffer_name(path)}")
+    out += [f"Device field `{k}`" for k in sorted(dev) if _floating(dev[k])]
+    return out
+
+
+def _buffer_name(path) -> str:
+    text = jax.tree_util.keystr(path)
+    key = getattr(path[0], "key", None) if len(path) == 1 else None
+    return f"the flat {key} buffer" if isinstance(key, str) and key in np.sctypeDict else f"`params{text}`"
+
+
+def fresh(n_parts: int) -> np.ndarray:
+    """A guard with no steps seen (a host value: transferred once, at the epoch's first step)."""
+    guard = np.zeros(WHY + n_parts, np.int32)
+    guard[FIRST] = -1
+    return guard
+
+
+def bad_steps(guard) -> int:
+    """How many steps of a (host) guard were not applied."""
+    return int(guard[BAD])
+
+
+def first_bad(guard) -> int:
+    """The index, since the guard was made, of its first bad step (-1: none)."""
+    return int(guard[FIRST])
+
+
+def guarded(guard, checked: list, new: tuple, old: tuple, halt: bool):
+    """`(*chosen, new guard)`: `new` when every value of `checked` is finite (and, with `halt`, no earlier
+    step was bad), else `old`. Traced inside the optimizer program."""
+    bad_parts = jnp.stack([~jnp.all(jnp.isfinite(c)) for c in checked])
+    bad = jnp.any(bad_parts)
+    apply = ~bad & (guard[BAD] == 0) if halt else ~bad
+    first_time = bad & (guard[FIRST] < 0)
+    chosen = [_select(apply, n, o) for n, o in zip(new, old)]
+    head = jnp.stack([guard[STEPS] + 1, guard[BAD] + bad.astype(jnp.int32),
+                      jnp.where(first_time, guard[STEPS], guard[FIRST])])
+    why = jnp.where(first_time, bad_parts.astype(jnp.int32), guard[WHY:])
+    return (*chosen, jnp.concatenate([head, why]))
+
+
+def _select(apply, new, old):
+    """`new` where `apply`, else `old`, leaf by leaf; a state whose structure or shapes moved (an
+    optimizer that grows its state, which recompiles anyway) cannot go back and is taken as it is."""
+    same = jax.tree.structure(new) == jax.tree.structure(old) and all(
+        jnp.shape(a) == jnp.shape(b) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old)))
+    if not same:
+        return new
+    return jax.tree.map(lambda n, o: jnp.where(apply, n, o).astype(jnp.result_type(n)), new, old)
+
+
+def n_parts(layout, params, dev: dict) -> int:
+    """How many values a step of this handle checks (the length of the guard's `why`)."""
+    return len(labels(jax.eval_shape(layout.ravel, params), dev))
+
+
+# ---------------------------------------------------------------- host side: the error
+def _nonfinite_fields(batch: dict) -> list[str]:
+    out = []
+    for name, a in batch.items():
+        a = np.asarray(a)
+        if a.dtype.kind in "fc":
+            bad = ~np.isfinite(a)
+            if bad.any():
+                kinds = sorted({str(v) for v in np.unique(a[bad])})
+                out.append(f"`{name}` ({int(bad.sum())} non-finite: {', '.join(kinds)})")
+    return out
+
+
+def _nonfinite_leaves(layout, flat_grads) -> list[str]:
+    tree = layout.unravel(flat_grads)
+    found = []
+    for path, g in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        g = np.asarray(g)
+        if g.dtype.kind in "fc" and not np.isfinite(g).all():
+            found.append(f"`params{jax.tree_util.keystr(path)}`")
+    return found
+
+
+def diagnose(n, guard, step0: int, batch_at, dev_at, regrad) -> NonFiniteLossError:
+    """The error for the first bad step of `guard` on handle `n`.
+
+    **Arguments:**
+    - `n`: the handle (its parameters are those before the bad step).
+    - `guard`: the guard, on the host.
+    - `step0`: the handle's step when the guard was made.
+    - `batch_at(i)`: the epoch's `i`-th batch (regenerated: the loop's batches are deterministic).
+    - `dev_at(step)`: the Device values the programs got at `step` (schedules re-applied).
+    - `regrad(batch, dev)`: the gradient program's `(flat grads, loss)` at the current parameters.
+
+    **Returns:** the `NonFiniteLossError` to raise, naming the step, what was non-finite and the fix.
+    """
+    index = first_bad(guard)
+    step = step0 + index + 1
+    batch, dev = batch_at(index), dev_at(step - 1)
+    names = labels(n._layout.ravel(n._model.split.trainable(n._params)), dev)
+    what = [name for name, bad in zip(names, np.asarray(guard[WHY:])) if bad]
+    fields = _nonfinite_fields(batch)
+    flat_grads, loss = regrad(batch, dev)
+    leaves = _nonfinite_leaves(n._layout, flat_grads)
+    dev_bad = [w for w in what if w.startswith("Device field")]
+    loss_value = float(np.asarray(jax.device_get(loss)))
+    if "the training loss" in what:
+        head = f"the training loss became {loss_value}"
+    elif dev_bad:
+        head = f"{dev_bad[0]} became non-finite"
+    else:
+        head = f"{(leaves or [w for w in what if w.startswith('the gradient')] or ['a gradient'])[0]}"
+        head = head if head.startswith("the gradient") else f"the gradient of {head}"
+        head += " became non-finite"
+    why = []
+    if fields:
+        why.append(f"the batch's inputs are non-finite: field {', '.join(fields)}. Fix: clean the split "
+                   f"before training (drop the rows, `np.nan_to_num`, or impute).")
+    if dev_bad:
+        sched = [w for w in dev_bad if w.split("`")[1] in n._binding.schedules]
+        shown = ", ".join(f"{w} = {np.asarray(dev[w.split('`')[1]]).tolist()}" for w in dev_bad)
+        src = " (set by its schedule)" if sched else ""
+        why.append(f"{shown}{src}. Fix: make the schedule return a finite value at step {step - 1}."
+                   if sched else f"{shown}. Fix: give the field a finite value.")
+    if leaves and not fields and not dev_bad:
+        why.append(f"non-finite gradient in {', '.join(leaves)} (loss {loss_value}). Fix: look for log(0), "
+                   f"sqrt(0) or division by zero in `forward` / `loss` (`jnp.log(x + 1e-8)`), clip gradients "
+                   f"(`optax.clip_by_global_norm(1.0)`) or lower the learning rate.")
+    elif not why:
+        why.append("Fix: look for log(0) or division by zero in the `loss` hook (`jnp.log(x + 1e-8)`) and "
+                   "lower the learning rate.")
+    return NonFiniteLossError(
+        f"{head} at step {step} (epoch {n.epoch + 1}); that step's update was not applied: `n.params` and "
+        f"the optimizer state are those after step {step - 1}, the last finite one, and the handle stays "
+        f"usable. Cause: {' '.join(why)} To skip such steps instead, pass "
+        f"`Nitro(..., on_nonfinite=\"skip\")` (skipped steps are counted on the epoch line)."
+    )

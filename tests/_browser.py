@@ -1,0 +1,296 @@
+"""Drive the quickstart notebook in a real JupyterLab in Debian's Chromium (playwright), as a person would.
+
+Shared by `tests/test_browser.py` (the checks) and `tools/screenshots.py` (the docs' pictures). One
+`Lab` serves a temporary copy of the notebook on a loopback port with a token, with its own kernelspec
+(this Python, so `PYTHONPATH` reaches the kernel) and its own settings directory (the theme).
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+THEMES = {"light": "JupyterLab Light", "dark": "JupyterLab Dark"}
+WIDGET_ERROR = "Error displaying widget"
+WIDTH = 800
+
+
+def chromium_available() -> bool:
+    return Path(CHROMIUM).exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Lab:
+    """A JupyterLab server over a temporary directory holding a copy of the quickstart notebook."""
+
+    def __init__(self):
+        self.dir = Path(tempfile.mkdtemp(prefix="nitro-lab-"))
+        self.token = os.urandom(16).hex()
+        self.port = _free_port()
+        self.settings = self.dir / "_settings"
+        shutil.copy(NOTEBOOK, self.dir / "quickstart.ipynb")
+        kernels = self.dir / "_jupyter" / "kernels" / "python3"
+        kernels.mkdir(parents=True)
+        (kernels / "kernel.json").write_text(json.dumps({
+            "argv": [sys.executable, "-Xfrozen_modules=off", "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": "Python 3 (nitro_ipy)", "language": "python"}))
+        self.set_theme("light")
+        env = dict(os.environ, JUPYTER_PATH=str(self.dir / "_jupyter"), JUPYTER_CONFIG_DIR=str(self.dir / "_config"),
+                   JUPYTER_RUNTIME_DIR=str(self.dir / "_runtime"), JUPYTERLAB_SETTINGS_DIR=str(self.settings),
+                   JUPYTERLAB_WORKSPACES_DIR=str(self.dir / "_workspaces"), JUPYTER_PLATFORM_DIRS="1")
+        self.log = open(self.dir / "_lab.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+             f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
+             f"--ServerApp.root_dir={self.dir}", "--LabApp.news_url=", "--ServerApp.disable_check_xsrf=False",
+             "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--ServerApp.allow_root=True"],
+            cwd=self.dir, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self._wait()
+
+    def url(self, path: str = "") -> str:
+        return f"http://127.0.0.1:{self.port}/{path}"
+
+    def api(self, path: str, method: str = "GET"):
+        req = urllib.request.Request(self.url(f"api/{path}"), method=method,
+                                     headers={"Authorization": f"token {self.token}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            body = r.read()
+        return json.loads(body) if body else None
+
+    def _wait(self, timeout: float = 60):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"jupyter lab exited:\n{(self.dir / '_lab.log').read_text()}")
+            with contextlib.suppress(OSError):
+                self.api("status")
+                return
+            time.sleep(0.3)
+        raise RuntimeError("jupyter lab did not answer within 60 s")
+
+    def set_theme(self, name: str):
+        """Write the theme setting (read when the page loads)."""
+        path = self.settings / "@jupyterlab" / "apputils-extension" / "themes.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"theme": THEMES[name]}))
+        # Every cell in the DOM (no windowing), so outputs far down the page can be found and measured.
+        path = self.settings / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"windowingMode": "none"}))
+        path = self.settings / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
+        path.write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))  # no news toast
+
+    def shutdown_kernels(self):
+        for k in self.api("kernels"):
+            self.api(f"kernels/{k['id']}", "DELETE")
+
+    def saved(self) -> dict:
+        return json.loads((self.dir / "quickstart.ipynb").read_text())
+
+    def close(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def browser_page(lab: Lab):
+    """A Chromium page (800 px wide) that records console errors and page errors in `page.errors`."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": WIDTH, "height": 900})
+            page.errors = []
+            page.on("console", lambda m: m.type == "error" and page.errors.append(f"console: {m.text}"))
+            page.on("pageerror", lambda e: page.errors.append(f"pageerror: {e}"))
+            yield page
+        finally:
+            browser.close()
+
+
+def open_notebook(page, lab: Lab, timeout: float = 60_000):
+    page.goto(lab.url(f"lab/tree/quickstart.ipynb?token={lab.token}"))
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=timeout)
+    page.wait_for_function(
+        "() => { const s = document.querySelector('.jp-Notebook-ExecutionIndicator');"
+        " return s && s.getAttribute('data-status') === 'idle'; }", timeout=timeout)
+    # The file browser takes a third of an 800 px window: collapse the left sidebar, as a user would.
+    if page.evaluate("() => (document.querySelector('#jp-left-stack')?.offsetWidth || 0) > 0"):
+        page.locator(".jp-Notebook").first.click(position={"x": 2, "y": 2})
+        page.keyboard.press("Escape")
+        page.keyboard.press("Control+b")
+
+
+def _idle(page, timeout: float = 120_000):
+    page.wait_for_function(
+        "() => ![...document.querySelectorAll('.jp-InputPrompt')].some(p => p.textContent.includes('*'))"
+        " && document.querySelector('.jp-Notebook-ExecutionIndicator')?.getAttribute('data-status') === 'idle'",
+        timeout=timeout)
+
+
+def run_cells(page, until: str | None = None):
+    """Run cells from the active one down (Shift+Enter, waiting for each), stopping after the code cell
+    whose source starts with `until` (or at the end)."""
+    cells = page.locator(".jp-Notebook .jp-Cell")
+    n = cells.count()
+    for _ in range(n):
+        active = page.locator(".jp-Notebook .jp-Cell.jp-mod-active")
+        source, is_last = active.evaluate(
+            "c => [c.classList.contains('jp-CodeCell') ? c.querySelector('.jp-InputArea-editor').textContent : '',"
+            " !c.nextElementSibling || !c.nextElementSibling.classList.contains('jp-Cell')]")
+        page.keyboard.press("Shift+Enter")
+        _idle(page)
+        if os.environ.get("NITRO_BROWSER_DEBUG"):
+            print("ran:", source[:40].replace("\n", " "), "| last:", is_last, flush=True)
+        if (until is not None and source.strip().startswith(until)) or is_last:
+            return
+
+
+def select_first_cell(page):
+    page.locator(".jp-Notebook .jp-Cell").first.click(position={"x": 5, "y": 5})
+    page.keyboard.press("Escape")  # command mode
+
+
+def select_cell_after(page, startswith: str):
+    cells = page.locator(".jp-Notebook .jp-Cell")
+    for i in range(cells.count()):
+        src = cells.nth(i).evaluate("c => c.querySelector('.jp-InputArea-editor')?.textContent || ''")
+        if src.strip().startswith(startswith):
+            cells.nth(i + 1).click(position={"x": 5, "y": 5})
+            page.keyboard.press("Escape")
+            return
+    raise LookupError(startswith)
+
+
+def computed(page, selector: str, props: tuple) -> list:
+    return page.eval_on_selector_all(
+        selector, f"els => els.map(e => {{ const s = getComputedStyle(e); return {json.dumps(list(props))}.map(p => s.getPropertyValue(p)); }})")
+
+
+def widget_errors(page) -> int:
+    return page.locator(f"text={WIDGET_ERROR}").count()
+
+
+def shoot(page, selector: str, path: Path, nth: int = 0):
+    el = page.locator(selector).nth(nth)
+    el.scroll_into_view_if_needed()
+    el.screenshot(path=str(path))
+
+
+def output_of(page, startswith: str):
+    """The output area of the code cell whose source starts with `startswith`."""
+    cells = page.locator(".jp-Notebook .jp-CodeCell")
+    for i in range(cells.count()):
+        if cells.nth(i).evaluate("c => c.querySelector('.jp-InputArea-editor').textContent").strip().startswith(startswith):
+            return cells.nth(i).locator(".jp-OutputArea")
+    raise LookupError(startswith)
+
+
+def walkthrough(shots: Path) -> dict:
+    """Run the quickstart as a person would and report what was seen (`facts`), writing screenshots
+    into `shots`: light theme while running, then a save, a page reload (kernel alive), a reopen on a
+    fresh kernel, and the dark theme."""
+    shots.mkdir(parents=True, exist_ok=True)
+    facts: dict = {}
+    lab = Lab()
+    try:
+        with browser_page(lab) as page:
+            open_notebook(page, lab)
+            select_first_cell(page)
+            run_cells(page, until="n.train(1);")  # the old handle after the edit: both messages
+            facts["message_html"] = page.locator(".nitro-message").first.evaluate("e => e.outerHTML")[:600]
+            facts["message_styles"] = computed(page, ".nitro-message", ("border-left-color", "background-color", "line-height"))
+            facts["message_titles"] = page.locator(".nitro-message > div:first-child").all_inner_texts()
+            shoot(page, ".nitro-stale-handle", shots / "messages-light.png")
+            out = output_of(page, "n.train(1);")
+            out.scroll_into_view_if_needed()
+            out.screenshot(path=str(shots / "stale-cell-light.png"))
+            page.locator("button.jupyter-button", has_text="Rebuild handle").click()
+            page.wait_for_selector(".nitro-action", timeout=30_000)
+            select_cell_after(page, "n.train(1);")  # the click left focus in the output; go on below it
+            facts["rebuild_result"] = page.locator(".nitro-action").inner_text()
+            facts["rebuild_colour"] = computed(page, ".nitro-action", ("border-left-color",))
+            run_cells(page)  # the rest
+            # A background run, stopped from the panel's Stop button (the kernel is idle meanwhile).
+            page.keyboard.press("Escape")
+            page.keyboard.press("b")  # a new cell below the last
+            page.keyboard.press("Enter")
+            page.keyboard.type("run = n.train(100000, background=True)")
+            page.keyboard.press("Shift+Enter")
+            _idle(page)
+            stop = page.locator("button.jupyter-button", has_text="Stop")
+            stop.wait_for(timeout=30_000)
+            facts["stop_button"] = stop.count()
+            stop.click()
+            page.wait_for_selector(".nitro-action:has-text('stop asked')", timeout=30_000)
+            page.keyboard.press("Escape")
+            page.locator(".jp-Notebook .jp-Cell").last.click(position={"x": 5, "y": 5})
+            page.keyboard.press("b")
+            page.keyboard.press("Enter")
+            page.keyboard.type("print('stopped', run.done, len(run.wait()) < 100000)")
+            page.keyboard.press("Shift+Enter")
+            _idle(page)
+            page.wait_for_selector(".jp-OutputArea-output:has-text('stopped True True')", timeout=30_000)
+            facts["stop_result"] = page.locator(".nitro-action:has-text('stop asked')").inner_text()
+            facts["panel_text"] = page.locator(".nitro-panel").inner_text()
+            facts["panel_chart"] = page.locator(".nitro-panel svg.nitro-chart").count()
+            facts["progress_lines"] = page.locator(".nitro-progress").count()
+            shoot(page, ".nitro-panel", shots / "panel-light.png")
+            shoot(page, ".nitro-stats-box", shots / "stats-light.png")
+            output_of(page, "nitro_ipy.cache_reset(); n = Nitro(e").screenshot(path=str(shots / "progress-light.png"))
+            facts["errors_live"] = widget_errors(page)
+            page.keyboard.press("Control+s")
+            page.wait_for_function("() => !document.querySelector('.jp-mod-dirty')", timeout=30_000)
+            facts["saved_widget_views"] = sum(
+                "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+                for c in lab.saved()["cells"] for o in c.get("outputs", ()))
+            page.reload()
+            open_notebook(page, lab)
+            facts["errors_reload"] = widget_errors(page)
+            lab.shutdown_kernels()
+            page.goto("about:blank")
+            lab.set_theme("dark")
+            open_notebook(page, lab)  # a new session: a fresh kernel, nothing run
+            facts["errors_reopen"] = widget_errors(page)
+            facts["reopen_messages"] = page.locator(".nitro-message").count()
+            facts["reopen_panel"] = page.locator(".nitro-panel svg.nitro-chart").count()
+            facts["dark_styles"] = computed(page, ".nitro-message", ("border-left-color", "background-color", "color"))
+            facts["dark_page"] = computed(page, ".jp-Notebook", ("background-color",))
+            shoot(page, ".nitro-stale-handle", shots / "messages-dark.png")
+            output_of(page, "n.train(1);").screenshot(path=str(shots / "stale-cell-dark.png"))
+            shoot(page, ".nitro-panel", shots / "panel-dark.png")
+            shoot(page, ".nitro-stats-box", shots / "stats-dark.png")
+            page.screenshot(path=str(shots / "reopened-dark.png"))
+            facts["console_errors"] = list(page.errors)
+    finally:
+        lab.close()
+    return facts
+
+
+if __name__ == "__main__":
+    import pprint
+
+    pprint.pprint(walkthrough(Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="nitro-shots-"))))

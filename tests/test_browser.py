@@ -1,0 +1,82 @@
+"""The quickstart in a real JupyterLab 4 in Debian's Chromium (playwright), as a person runs it: both
+messages visibly styled, the panel's figures and chart, the Rebuild click and what it says, a background run stopped from the panel's Stop button, then a save,
+a page reload (kernel alive) and a reopen on a fresh kernel in the dark theme with zero widget errors and
+zero JS console errors. Screenshots go to a temp dir (`tools/screenshots.py` keeps some for the docs).
+
+Costs ~60-90 s (one JupyterLab, one Chromium, the notebook's compiles). Skipped only when Chromium is
+missing outside CI; under `CI=true` it always runs (`.ci/run` installs Chromium).
+"""
+
+import os
+import re
+
+import pytest
+from _browser import WIDTH, chromium_available, walkthrough
+
+pytestmark = pytest.mark.skipif(
+    not chromium_available() and os.environ.get("CI") != "true",
+    reason="Chromium is not installed (`apt-get install chromium`); CI installs it and runs this test",
+)
+
+
+def _rgb(text: str) -> tuple:
+    return tuple(float(v) for v in re.findall(r"[\d.]+", text)[:4])
+
+
+@pytest.fixture(scope="module")
+def seen(tmp_path_factory):
+    pytest.importorskip("playwright", reason="the `browser` extra: pip install -e '.[browser]'")
+    shots = tmp_path_factory.mktemp("screens")
+    facts = walkthrough(shots)
+    facts["shots"] = shots
+    return facts
+
+
+def test_both_messages_are_visibly_styled_with_a_title_line(seen):
+    (info_border, info_bg, line_height), (warn_border, warn_bg, _) = seen["message_styles"]
+    assert info_border != warn_border  # blue and orange: JupyterLab's info and warn colours
+    assert _rgb(info_bg)[3] > 0 and _rgb(warn_bg)[3] > 0  # a visible tint, not transparent
+    assert float(line_height.rstrip("px")) < 1.6 * 14  # normal line height, not double-spaced
+    assert seen["message_titles"] == ["Edit seen: 2 cached programs poisoned",
+                                      "This handle runs code compiled before your edit"]
+
+
+def test_the_rebuild_click_says_what_it_did(seen):
+    assert seen["rebuild_result"] == "rebuilt: n -> new handle"
+    assert _rgb(seen["rebuild_colour"][0][0])[:3] != (0.0, 0.0, 0.0)
+
+
+def test_the_panel_shows_figures_and_the_chart(seen):
+    lines = seen["panel_text"].split("\n")
+    assert [l for l in lines if re.fullmatch(r"(hits \d+|misses 5|entries 3|poisoned 2)", l)][1:] == [
+        "misses 5", "entries 3", "poisoned 2"]
+    assert seen["panel_chart"] == 1
+    assert seen["progress_lines"] == 4  # one progress display per train() call
+
+
+def test_a_background_run_is_stopped_from_the_panel(seen):
+    assert seen["stop_button"] == 1
+    assert seen["stop_result"] == "stop asked: the run ends at the next step boundary, nothing lost"
+
+
+def test_reload_and_reopen_show_everything_with_no_widget_error(seen):
+    assert seen["errors_live"] == seen["errors_reload"] == seen["errors_reopen"] == 0
+    assert seen["saved_widget_views"] == 0
+    assert seen["reopen_messages"] == 2 and seen["reopen_panel"] == 1
+    assert seen["console_errors"] == []
+
+
+def test_dark_theme_keeps_contrast(seen):
+    page = _rgb(seen["dark_page"][0][0])
+    assert sum(page[:3]) < 150  # the dark theme is on
+    for border, background, colour in seen["dark_styles"]:
+        text = _rgb(colour)
+        assert sum(text[:3]) > 500  # light text on the dark page
+        assert _rgb(background)[3] < 0.3  # a translucent tint: the page stays dark behind the text
+
+
+def test_screenshots_are_written(seen):
+    names = sorted(p.name for p in seen["shots"].iterdir())
+    assert {"messages-light.png", "messages-dark.png", "panel-light.png", "panel-dark.png",
+            "stats-light.png", "reopened-dark.png"} <= set(names)
+    assert WIDTH == 800

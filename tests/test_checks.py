@@ -1,0 +1,234 @@
+"""Bad input meets our errors (what is wrong, what arrived, the fix, naming the field / hook / leaf /
+column), at setup or at trace time, never a raw JAX or numpy error and never a silently wrong number."""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import nitro_ipy
+from nitro_ipy import Device, GraphConst, Nitro
+
+
+def _data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    return {"x": x, "y": np.sin(x.sum(1)).astype(np.float32)}
+
+
+@dataclasses.dataclass
+class Reg:
+    hidden: GraphConst[int] = 8
+    lr: Device[float] = 1e-2
+
+    def init(self, rng):
+        k1, k2 = jax.random.split(rng)
+        return {"w1": jax.random.normal(k1, (4, self.hidden)) * 0.5, "w2": jax.random.normal(k2, (self.hidden,)) * 0.5}
+
+    def forward(self, params, *, x):
+        return jnp.tanh(x @ params["w1"]) @ params["w2"]
+
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+
+    def optimizer(self):
+        return optax.adam(self.lr)
+
+
+# ---------------------------------------------------------------- the loss is a real scalar
+@dataclasses.dataclass
+class VectorLoss(Reg):
+    def loss(self, outputs, *, y):  # forgot the mean
+        return (outputs - y) ** 2
+
+
+@dataclasses.dataclass
+class BroadcastLoss(Reg):
+    def loss(self, outputs, *, y):  # mask (N,) against per-example (N, 1): (N, N), never reduced
+        return jnp.where(y > -10, ((outputs - y) ** 2)[:, None], 0.0)
+
+
+@pytest.mark.parametrize("cls,shape", [(VectorLoss, "(8,)"), (BroadcastLoss, "(8, 8)")])
+def test_training_a_non_scalar_loss_is_our_error(cls, shape):
+    n = Nitro(cls(), data={"train": _data(32)}, batch_size=8, progress=False)
+    with pytest.raises(nitro_ipy.NitroTypeError, match=rf"the `loss` hook must return a scalar; got an array "
+                                                       rf"of shape {re.escape(shape)} \(float32\). Reduce it "
+                                                       r"over the batch: `jnp.mean\(...\)`"):
+        n.train()
+
+
+@pytest.mark.parametrize("cls,shape", [(VectorLoss, "(1,)"), (BroadcastLoss, "(1, 1)")])
+def test_validating_a_non_scalar_loss_never_gives_a_number(cls, shape):
+    n = Nitro(cls(), data={"valid": _data(20)}, batch_size=8, progress=False)
+    with pytest.raises(nitro_ipy.NitroTypeError, match=rf"got an array of shape {re.escape(shape)}"):
+        n.validate()
+
+
+def test_a_complex_or_non_array_loss_is_refused():
+    @dataclasses.dataclass
+    class Complex(Reg):
+        def loss(self, outputs, *, y):
+            return jnp.mean(outputs - y) * 1j
+
+    with pytest.raises(nitro_ipy.NitroTypeError, match=r"the `loss` hook must return a real scalar; got"):
+        Nitro(Complex(), data={"train": _data(16)}, batch_size=8, progress=False).train()
+
+
+# ---------------------------------------------------------------- metrics
+def test_metric_count_shape_must_fit_the_sum():
+    @dataclasses.dataclass
+    class BadCount(Reg):
+        def metrics(self, outputs, *, y):
+            return {"mae": (np.abs(outputs - y).sum(), np.ones(3))}
+
+    with pytest.raises(nitro_ipy.NitroTypeError, match=r"metric `mae` from hook `metrics`: count of shape \(3,\) "
+                                                       r"does not fit sum of shape \(\)"):
+        Nitro(BadCount(), data={"valid": _data(16)}, batch_size=8, progress=False).validate()
+
+
+@pytest.mark.parametrize("residency", ["host", "device"])
+def test_a_per_example_metric_on_a_ragged_split_is_named(residency):
+    @dataclasses.dataclass
+    class PerExample(Reg):
+        @nitro_ipy.metrics(residency)
+        def err(self, outputs, *, y):
+            return {"err": (jnp.abs(outputs - y), None)}
+
+    n = Nitro(PerExample(), data={"valid": _data(20)}, batch_size=8, progress=False)
+    with pytest.raises(nitro_ipy.NitroTypeError, match=r"metric `err` from hook `err` returned a sum of shape "
+                                                       r"\(4,\) after \(8,\) on an earlier batch"):
+        n.validate()
+
+
+def test_a_device_metric_that_counts_nothing_is_refused_not_inf():
+    @dataclasses.dataclass
+    class Masked(Reg):
+        @nitro_ipy.metrics("device")
+        def big(self, outputs, *, y):
+            mask = y > 100.0  # never true
+            return {"big_max": (jnp.log(jnp.sum(mask)), jnp.sum(mask))}
+
+    n = Nitro(Masked(), data={"valid": _data(16)}, batch_size=8, progress=False)
+    with pytest.raises(nitro_ipy.NitroValueError, match=r"metric `big_max` counted 0 examples over split `valid`"):
+        n.validate()
+
+
+# ---------------------------------------------------------------- signatures
+def test_forward_taking_a_field_where_params_go_is_refused_at_setup():
+    @dataclasses.dataclass
+    class NoParams(Reg):
+        def forward(self, x):
+            return x.sum(1)
+
+    with pytest.raises(nitro_ipy.NitroTypeError, match=r"hook `.*NoParams.forward\(self, x\)`: its second "
+                                                       r"parameter receives the params, but `x` is a batch "
+                                                       r"field .* `def forward\(self, params, \*, x\)`"):
+        Nitro(NoParams(), data={"train": _data(16)})
+
+
+def test_loss_without_outputs_suggests_the_loss_signature():
+    @dataclasses.dataclass
+    class Bare(Reg):
+        def loss(self):
+            return 0.0
+
+    with pytest.raises(nitro_ipy.NitroTypeError, match=r"expected `loss\(self, outputs, \*, y\)`"):
+        Nitro(Bare(), data={"train": _data(16)})
+
+
+def test_optimizer_returning_a_float_is_refused_at_setup():
+    @dataclasses.dataclass
+    class LrOnly(Reg):
+        def optimizer(self):
+            return 1e-3
+
+    with pytest.raises(nitro_ipy.NitroTypeError, match=r"hook `.*LrOnly.optimizer` must return an "
+                                                       r"`optax.GradientTransformation`; got float \(0.001\)"):
+        Nitro(LrOnly(), data={"train": _data(16)})
+
+
+def _odd_init(leaf):
+    @dataclasses.dataclass
+    class Odd(Reg):
+        def init(self, rng):
+            return {"w1": jnp.zeros((4, 8)), "w2": jnp.zeros(8), "cfg": {"act": leaf}}
+
+    return Odd
+
+
+def test_init_leaf_that_is_neither_array_nor_static_is_named_by_path():
+    with pytest.raises(nitro_ipy.NitroTypeError, match=r"^`params\['cfg'\]\['act'\]` is object \(<object "
+                       r"object at 0x[0-9a-f]+>\): neither an array \(trained or carried\) nor a static value"):
+        Nitro(_odd_init(object())(), data={"train": _data(16)})
+
+
+def test_a_string_leaf_is_static_data_in_the_key():
+    # A string in params (an activation's name) is legal static data (issue 12): baked in, fingerprinted.
+    Nitro(_odd_init("relu")(), data={"train": _data(16)}, batch_size=8, progress=False).train()
+    Nitro(_odd_init("tanh")(), data={"train": _data(16)}, batch_size=8, progress=False).train()
+    assert nitro_ipy.cache_stats().misses == nitro_ipy.cache_stats().entries == 4  # two keys of grad and opt
+
+
+# ---------------------------------------------------------------- data
+@pytest.mark.parametrize("column", [np.array(["a", "b"] * 8), np.array([1, "x"] * 8, dtype=object)])
+def test_non_numeric_columns_are_refused_at_setup_naming_the_column(column):
+    data = _data(16)
+    data["label"] = column
+    with pytest.raises(nitro_ipy.NitroTypeError, match=r"field `label` of split `train` has dtype .*; batch "
+                                                       r"fields must be numeric or bool"):
+        Nitro(Reg(), data={"train": data})
+
+
+def test_empty_eval_split_is_an_error_not_nan():
+    empty = {k: v[:0] for k, v in _data(4).items()}
+    n = Nitro(Reg(), data={"train": _data(16), "valid": empty}, batch_size=8, progress=False)
+    with pytest.raises(nitro_ipy.NitroValueError, match=r"split `valid` has 0 examples"):
+        n.validate()
+
+
+def test_predict_on_zero_rows_is_empty():
+    n = Nitro(Reg(), data={"train": _data(16)}, batch_size=8, progress=False)
+    out = n.predict({"x": np.zeros((0, 4), np.float32)})
+    assert out.shape == (0,) and out.dtype == np.float32
+    assert nitro_ipy.cache_stats().misses == 0  # traced for its shape, nothing compiled
+
+
+# ---------------------------------------------------------------- schedules
+def test_schedules_must_be_a_dict():
+    with pytest.raises(nitro_ipy.NitroTypeError, match=r"`schedules` must be a dict .*; got list"):
+        Nitro(Reg(), data={"train": _data(16)}, schedules=[lambda s: 1e-3])
+
+
+@pytest.mark.parametrize("value,error,text", [
+    (None, nitro_ipy.NitroTypeError, r"returned NoneType \(None\) at step 0; it must return a float32 scalar"),
+    ("1e-3", nitro_ipy.NitroTypeError, r"returned str \('1e-3'\) at step 0"),
+    (1e-3 + 1j, nitro_ipy.NitroTypeError, r"returned a complex value .* the field is float32"),
+    (float("nan"), nitro_ipy.NitroValueError, r"returned nan at step 0, which is not finite"),
+    ([1e-3, 1e-3], nitro_ipy.NitroValueError, r"returned shape \(2,\) at step 0; the field has shape \(\)"),
+])
+def test_a_schedule_is_checked_on_its_first_value_before_any_compile(value, error, text):
+    n = Nitro(Reg(), data={"train": _data(16)}, batch_size=8, progress=False, schedules={"lr": lambda s: value})
+    with pytest.raises(error, match=text):
+        n.train()
+    assert nitro_ipy.cache_stats().misses == 0
+
+
+# ---------------------------------------------------------------- GraphConst
+def test_a_nan_graphconst_float_fingerprints_by_content():
+    @dataclasses.dataclass
+    class NanConst(Reg):
+        fill: GraphConst[float] = float("nan")
+
+    n = Nitro(NanConst(), data={"train": _data(16)}, batch_size=8, progress=False)
+    n.train()
+    m = Nitro(NanConst(), data={"train": _data(16)}, batch_size=8, progress=False)
+    m.train()
+    s = nitro_ipy.cache_stats()
+    assert s.misses == s.entries == 2  # the second handle hits: NaN is content, not identity
+
+
+

@@ -1,0 +1,189 @@
+"""Non-finite steps never reach the parameters (`_guard`): checked on device inside the optimizer
+program; the handle keeps the last finite parameters and optimizer state; the error names the step, the
+cause and the fix; `on_nonfinite="skip"` skips and counts."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import nitro_ipy
+from nitro_ipy import Device, GraphConst, Nitro
+
+BS = 8
+
+
+def _data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    return {"x": x, "y": np.sin(x.sum(1)).astype(np.float32)}
+
+
+@dataclasses.dataclass
+class Reg:
+    hidden: GraphConst[int] = 8
+    lr: Device[float] = 1e-2
+
+    def init(self, rng):
+        k1, k2 = jax.random.split(rng)
+        return {"w1": jax.random.normal(k1, (4, self.hidden)) * 0.5, "w2": jax.random.normal(k2, (self.hidden,)) * 0.5}
+
+    def forward(self, params, *, x):
+        return jnp.tanh(x @ params["w1"]) @ params["w2"]
+
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+
+    def optimizer(self):
+        return optax.adam(self.lr)
+
+
+def row_of_step(n_rows: int, step: int, seed=0, epoch=0) -> int:
+    """A row that lands in 1-based `step` of the epoch (the loop's seeded shuffle)."""
+    perm = np.random.default_rng((seed, epoch)).permutation(n_rows)
+    return int(perm[(step - 1) * BS])
+
+
+class Stop(Exception):
+    pass
+
+
+def params_after(e, data, steps: int):
+    """Reference: the parameters and optimizer state of a clean run stopped after `steps` steps."""
+    def lr(step):
+        if step == steps:
+            raise Stop
+        return e.lr
+
+    n = Nitro(e, data={"train": data}, batch_size=BS, progress=False, schedules={"lr": lr})
+    with pytest.raises(Stop):
+        n.train()
+    assert n.step == steps
+    return jax.device_get((n.params, n.state))
+
+
+def assert_tree_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("bad_step", [2, 5, 9])
+def test_nan_batch_keeps_the_last_finite_parameters(bad_step):
+    clean = _data(80)
+    dirty = {k: v.copy() for k, v in clean.items()}
+    dirty["x"][row_of_step(80, bad_step), 1] = np.nan
+    ref_params, ref_state = params_after(Reg(), clean, bad_step - 1)
+    nitro_ipy.cache_reset()
+    n = Nitro(Reg(), data={"train": dirty, "valid": clean}, batch_size=BS, progress=False)
+    with pytest.raises(nitro_ipy.NonFiniteLossError) as info:
+        n.train()
+    msg = str(info.value)
+    assert msg.startswith(f"the training loss became nan at step {bad_step} (epoch 1); that step's update "
+                          f"was not applied: `n.params` and the optimizer state are those after step "
+                          f"{bad_step - 1}, the last finite one")
+    assert "the batch's inputs are non-finite: field `x` (1 non-finite: nan)" in msg
+    assert 'on_nonfinite="skip"' in msg
+    assert n.step == bad_step - 1
+    assert_tree_equal(jax.device_get(n.params), ref_params)
+    assert_tree_equal(jax.device_get(n.state), ref_state)
+    # usable afterwards: validation and predict run on the kept parameters, no new training program
+    assert np.isfinite(n.validate()["loss"])
+    assert np.isfinite(n.predict({"x": clean["x"][:5]})).all()
+    s = nitro_ipy.cache_stats()
+    assert s.misses == s.entries == 4  # grad, opt, eval, predict
+
+
+def test_schedule_nan_at_a_later_step_names_the_device_field():
+    lr = lambda step: float("nan") if step == 3 else 1e-2
+    n = Nitro(Reg(), data={"train": _data(80)}, batch_size=BS, progress=False, schedules={"lr": lr})
+    with pytest.raises(nitro_ipy.NonFiniteLossError) as info:
+        n.train()
+    msg = str(info.value)
+    assert msg.startswith("Device field `lr` became non-finite at step 4 (epoch 1)")
+    assert "Device field `lr` = nan (set by its schedule). Fix: make the schedule return a finite value at step 3." in msg
+    assert n.step == 3
+    assert all(np.isfinite(np.asarray(p)).all() for p in jax.tree.leaves(n.params))
+
+
+def test_a_non_finite_gradient_under_a_finite_loss_names_the_parameter():
+    @dataclasses.dataclass
+    class SqrtAtZero(Reg):
+        def loss(self, outputs, *, y):  # finite value, infinite gradient: d sqrt(u)/du at u = 0
+            return jnp.mean((outputs - y) ** 2) + jnp.sqrt(jnp.sum(self_zero(outputs)))
+
+    n = Nitro(SqrtAtZero(), data={"train": _data(40)}, batch_size=BS, progress=False)
+    with pytest.raises(nitro_ipy.NonFiniteLossError) as info:
+        n.train()
+    msg = str(info.value)
+    assert msg.startswith("the gradient of `params['w1']` became non-finite at step 1 (epoch 1)")
+    assert "non-finite gradient in `params['w1']`, `params['w2']`" in msg
+    assert "optax.clip_by_global_norm" in msg
+    assert n.step == 0
+    assert_tree_equal(jax.device_get(n.params), jax.device_get(Nitro(SqrtAtZero(), data={"train": _data(40)},
+                                                                        progress=False).params))
+
+
+def self_zero(outputs):
+    return (outputs * 0.0) ** 2
+
+
+def test_skip_counts_and_reports_the_skipped_steps(capsys):
+    clean = _data(80)
+    dirty = {k: v.copy() for k, v in clean.items()}
+    bad = [2, 6]
+    for s in bad:
+        dirty["y"][row_of_step(80, s)] = np.inf
+    n = Nitro(Reg(), data={"train": dirty}, batch_size=BS, on_nonfinite="skip")
+    rows = n.train()
+    assert rows[0]["skipped"] == 2 and np.isfinite(rows[0]["loss"])
+    assert n.step == 10
+    assert all(np.isfinite(np.asarray(p)).all() for p in jax.tree.leaves(n.params))
+    assert "skipped 2 non-finite steps" in capsys.readouterr().out
+    s = nitro_ipy.cache_stats()
+    assert s.misses == s.entries == 2  # grad + opt: the check lives inside them
+    # a second epoch starts its count afresh
+    assert n.train()[0]["skipped"] == 2
+
+
+def test_skip_gives_the_result_of_training_without_the_bad_batches():
+    """Skipping a step is exactly not taking it: same params as the clean steps applied in order."""
+    dirty = _data(24)
+    r = row_of_step(24, 2)
+    dirty["x"][r] = np.nan
+    n = Nitro(Reg(), data={"train": dirty}, batch_size=BS, on_nonfinite="skip", progress=False)
+    n.train()
+    # by hand: steps 1 and 3 of the same shuffle with plain optax
+    perm = np.random.default_rng((0, 0)).permutation(24)
+    e = Reg()
+    params = jax.device_get(Nitro(e, data={"train": dirty}, progress=False).params)
+    tx = optax.adam(1e-2)
+    flat = lambda p: jnp.concatenate([p["w1"].ravel(), p["w2"].ravel()])
+    state = tx.init(flat(params))
+    for s in (0, 2):
+        idx = perm[s * BS:(s + 1) * BS]
+        g = jax.grad(lambda p: e.loss(e.forward(p, x=dirty["x"][idx]), y=dirty["y"][idx]))(params)
+        upd, state = tx.update(flat(g), state)
+        params = {"w1": params["w1"] + upd[:32].reshape(4, 8), "w2": params["w2"] + upd[32:]}
+    for k in params:
+        np.testing.assert_allclose(np.asarray(n.params[k]), np.asarray(params[k]), rtol=1e-5, atol=1e-6)
+
+
+def test_on_nonfinite_is_checked_at_setup():
+    with pytest.raises(nitro_ipy.NitroValueError, match=r'`on_nonfinite` must be "raise" .* or "skip" .*; got \'ignore\''):
+        Nitro(Reg(), data={"train": _data(16)}, on_nonfinite="ignore")
+
+
+def test_rebuild_keeps_the_mode_and_training_continues_after_a_raise():
+    lr = lambda step: float("inf") if step == 2 else 1e-2
+    n = Nitro(Reg(), data={"train": _data(80)}, batch_size=BS, progress=False, schedules={"lr": lr})
+    with pytest.raises(nitro_ipy.NonFiniteLossError):
+        n.train()
+    kept = jax.device_get(n.params)
+    m = n.rebuild()
+    assert m.step == 2 and m.on_nonfinite == "raise"
+    assert_tree_equal(jax.device_get(m.params), kept)

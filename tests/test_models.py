@@ -1,0 +1,392 @@
+"""Real models: Flax Linen (Dropout + BatchNorm, the issue's contract verbatim), Flax NNX, Equinox;
+the reserved hook parameters, any params pytree, path-aware optimizers, given params, the errors."""
+
+import dataclasses
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import nitro_ipy
+from nitro_ipy import Device, GraphConst, Nitro
+from nitro_ipy._errors import NitroTypeError, NitroValueError
+
+
+def _images(n, seed=0):
+    r = np.random.default_rng(seed)
+    x = r.normal(size=(n, 8, 8, 1)).astype(np.float32)
+    y = (x[:, :4].sum((1, 2, 3)) > 0).astype(np.int32)
+    return {"x": x, "y": y}
+
+
+class CNN(nn.Module):
+    drop: float
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Conv(2, (3, 3))(x)
+        x = nn.BatchNorm(use_running_average=not train)(x)
+        x = nn.relu(x).reshape((x.shape[0], -1))
+        x = nn.Dropout(self.drop, deterministic=not train)(x)
+        return nn.Dense(2)(x)
+
+
+@dataclasses.dataclass
+class Digits:
+    drop: GraphConst[float] = 0.5
+    lr: Device[float] = 1e-2
+
+    def init(self, rng):
+        v = CNN(self.drop).init(rng, jnp.zeros((1, 8, 8, 1)), train=False)
+        return v["params"], {"batch_stats": v["batch_stats"]}
+
+    def forward(self, params, *, x, state, rng, train):
+        out, upd = CNN(self.drop).apply({"params": params, **state}, x, train=train,
+                                        rngs={"dropout": rng}, mutable=["batch_stats"] if train else [])
+        return out, (upd if train else state)
+
+    def loss(self, outputs, *, y):
+        return optax.softmax_cross_entropy_with_integer_labels(outputs, y).mean()
+
+    def optimizer(self):
+        return optax.adam(self.lr)
+
+
+def _flax_data():
+    return {"train": _images(64), "valid": _images(20, seed=1)}
+
+
+def test_flax_linen_contract_verbatim_counts_state_and_modes():
+    nitro_ipy.cache_reset()
+    n = Nitro(Digits(), data=_flax_data(), batch_size=16, max_epochs=1, progress=False)
+    stats0 = jax.tree.map(np.asarray, n.state)
+    n.train()
+    s = nitro_ipy.cache_stats()
+    assert (s.misses, s.entries) == (3, 3)  # grad + opt + eval: the acceptance counts are unchanged
+    n.train(2)
+    assert nitro_ipy.cache_stats().misses == 3  # nothing recompiles with steps or epochs
+    assert n.step == 12
+    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), n.state, stats0)
+    assert min(jax.tree.leaves(moved)) > 0  # every running statistic moved
+    assert set(n.params) == {"Conv_0", "BatchNorm_0", "Dense_0"}
+    assert "mean" not in str(jax.tree_util.tree_structure(n.params))  # stats are not params
+    # train=False in evaluation: dropout off, the running averages used, so validation is deterministic
+    assert n.validate() == n.validate()
+    out = n.predict({"x": _flax_data()["valid"]["x"]})
+    want = CNN(0.5).apply({"params": n.params, **n.state}, _flax_data()["valid"]["x"], train=False)
+    np.testing.assert_allclose(out, np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert nitro_ipy.cache_stats().misses == 4  # + predict
+    n2 = n.rebuild()  # carries params, model state and optimizer state
+    assert n2.step == n.step
+    jax.tree.map(np.testing.assert_array_equal, n2.state, n.state)
+    jax.tree.map(np.testing.assert_array_equal, n2.params, n.params)
+    n2.train()
+    assert nitro_ipy.cache_stats().misses == 4
+
+
+def test_optimizer_never_sees_the_state_and_accum_threads_it():
+    nitro_ipy.cache_reset()
+    n = Nitro(Digits(), data={"train": _images(64)}, batch_size=8, accum=2, progress=False, flat_params=False)
+    mu = n.opt_state[0].mu
+    assert jax.tree_util.tree_structure(mu) == jax.tree_util.tree_structure(n.params)
+    mean0 = np.asarray(n.state["batch_stats"]["BatchNorm_0"]["mean"])
+    n.train()
+    assert nitro_ipy.cache_stats().misses == 2  # train-only: grad + opt, state or not
+    assert n.step == 4 and not np.allclose(n.state["batch_stats"]["BatchNorm_0"]["mean"], mean0)
+
+
+def test_rng_is_per_step_per_micro_batch_reproducible_and_resumed():
+    seen = []
+
+    @dataclasses.dataclass
+    class Noisy:
+        def init(self, rng):
+            return {"w": jnp.zeros(())}
+
+        def forward(self, params, *, x, rng, train):
+            assert train is True or train is False  # a static Python bool, never a tracer
+            noise = jax.random.normal(rng, ())
+            jax.debug.callback(lambda v: seen.append(float(v)), noise)
+            return x.sum(-1) * params["w"] + noise
+
+        def loss(self, outputs, *, y):
+            return jnp.mean((outputs - y) ** 2)
+
+    data = {"train": {"x": np.ones((32, 2), np.float32), "y": np.zeros(32, np.float32)}}
+    nitro_ipy.cache_reset()
+    n = Nitro(Noisy(), data=data, batch_size=4, accum=2, progress=False, seed=3)
+    n.train()  # 4 steps x 2 micro-batches
+    jax.effects_barrier()
+    assert nitro_ipy.cache_stats().misses == 2
+    want = [float(jax.random.normal(jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(3), s), m), ()))
+            for s in range(4) for m in range(2)]
+    np.testing.assert_allclose(seen, want, rtol=1e-6)
+    assert len(set(seen)) == 8
+    seen.clear()
+    n2 = n.rebuild()  # a resumed run continues the stream: steps 4..7
+    n2.train()
+    jax.effects_barrier()
+    want = [float(jax.random.normal(jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(3), s), m), ()))
+            for s in range(4, 8) for m in range(2)]
+    np.testing.assert_allclose(seen, want, rtol=1e-6)
+
+
+class _Eqx(eqx.Module):
+    mlp: eqx.nn.MLP
+    scale: float
+    count: jax.Array
+
+    def __call__(self, x):
+        return jax.vmap(self.mlp)(x)[:, 0] * self.scale
+
+
+@dataclasses.dataclass
+class EqxExp:
+    width: GraphConst[int] = 4
+    scale: float = 1.5  # Host: read by `init` only, so it reaches the programs as a static leaf
+
+    def init(self, rng):
+        return _Eqx(eqx.nn.MLP(2, 1, self.width, 1, key=rng), self.scale, jnp.arange(3))
+
+    def forward(self, params, *, x):
+        return params(x)
+
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+
+
+def _reg(n=64, seed=0):
+    r = np.random.default_rng(seed)
+    x = r.normal(size=(n, 2)).astype(np.float32)
+    return {"x": x, "y": np.sin(x.sum(1))}
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_equinox_module_as_params(flat):
+    nitro_ipy.cache_reset()
+    n = Nitro(EqxExp(), data={"train": _reg(), "valid": _reg(20, 1)}, batch_size=16, progress=False,
+              flat_params=flat)
+    before = np.asarray(n.params.mlp.layers[0].weight)  # a copy: training donates the old buffers
+    n.train(2)
+    assert nitro_ipy.cache_stats().misses == 3
+    assert isinstance(n.params, _Eqx) and n.params.mlp.activation is jax.nn.relu
+    assert n.params.scale == 1.5  # static: never trained
+    np.testing.assert_array_equal(n.params.count, np.arange(3))  # an int array: carried, never differentiated
+    assert not np.allclose(n.params.mlp.layers[0].weight, before)
+    assert np.isfinite(n.validate()["loss"])
+
+
+def test_a_changed_static_leaf_moves_the_key():
+    data = {"train": _reg()}
+    for scale in (1.5, 1.5, 2.5):
+        Nitro(EqxExp(scale=scale), data=data, batch_size=16, progress=False).train()
+    # a Host field is never in the key; the static leaf it became is: 2.5 recompiles grad and opt
+    assert nitro_ipy.cache_stats().misses == 4
+    assert [e.why for e in nitro_ipy._cache.live_entries()][2:] != [None, None]
+
+
+def test_leaf_neither_array_nor_static_is_refused_naming_its_path():
+    class Opaque:
+        __slots__ = ("v",)
+
+        def __init__(self):
+            self.v = 1
+
+        __hash__ = object.__hash__
+
+    @dataclasses.dataclass
+    class Bad:
+        def init(self, rng):
+            return {"layers": [{"w": jnp.ones(2)}, {"w": jnp.ones(2), "activation": Opaque()}]}
+
+        def forward(self, params, *, x):
+            return x
+
+    with pytest.raises(NitroTypeError, match=r"`params\['layers'\]\[1\]\['activation'\]` is Opaque"):
+        Nitro(Bad(), progress=False)
+
+
+def test_frozendict_and_int_leaves_with_both_layouts():
+    from flax.core import FrozenDict
+
+    @dataclasses.dataclass
+    class Frozen:
+        def init(self, rng):
+            return FrozenDict({"w": jnp.ones(2) * 0.1, "steps": jnp.zeros((), jnp.int32), "on": jnp.array(True)})
+
+        def forward(self, params, *, x):
+            return jnp.where(params["on"], x @ params["w"], 0.0) + params["steps"]
+
+        def loss(self, outputs, *, y):
+            return jnp.mean((outputs - y) ** 2)
+
+    for flat in (True, False):
+        n = Nitro(Frozen(), data={"train": _reg()}, batch_size=16, progress=False, flat_params=flat)
+        n.train()
+        assert isinstance(n.params, FrozenDict) and n.params["steps"].dtype == jnp.int32
+        assert bool(n.params["on"]) and not np.allclose(n.params["w"], 0.1)
+
+
+class _NNXNet(nnx.Module):
+    def __init__(self, width, rngs):
+        self.lin = nnx.Linear(2, width, rngs=rngs)
+        self.bn = nnx.BatchNorm(width, rngs=rngs)
+        self.drop = nnx.Dropout(0.2, rngs=rngs)
+        self.out = nnx.Linear(width, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(nnx.relu(self.bn(self.lin(x)))))[:, 0]
+
+
+@dataclasses.dataclass
+class NNXExp:
+    graphdef: GraphConst[object] = None
+
+    def init(self, rng):
+        _, params, state = nnx.split(_NNXNet(4, nnx.Rngs(rng)), nnx.Param, ...)
+        return params, state
+
+    def forward(self, params, *, x, state, rng, train):
+        model = nnx.merge(self.graphdef, params, state, copy=True)
+        model.train() if train else model.eval()
+        if train:
+            nnx.reseed(model, dropout=rng)
+        out = model(x)
+        return out, nnx.state(model, nnx.Not(nnx.Param))
+
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+
+
+def test_nnx_graphdef_as_graphconst_trains_batch_stats():
+    graphdef, _, _ = nnx.split(_NNXNet(4, nnx.Rngs(0)), nnx.Param, ...)
+    nitro_ipy.cache_reset()
+    n = Nitro(NNXExp(graphdef), data={"train": _reg(), "valid": _reg(20, 1)}, batch_size=16, progress=False)
+    mean0 = np.asarray(n.state["bn"]["mean"][...])
+    n.train(2)
+    assert nitro_ipy.cache_stats().misses == 3
+    assert not np.allclose(np.asarray(n.state["bn"]["mean"][...]), mean0)
+    assert n.validate() == n.validate()
+    # the same graphdef rebuilt from scratch fingerprints equal: a fresh handle hits
+    graphdef2, _, _ = nnx.split(_NNXNet(4, nnx.Rngs(1)), nnx.Param, ...)
+    Nitro(NNXExp(graphdef2), data={"train": _reg(), "valid": _reg(20, 1)}, batch_size=16, progress=False).train()
+    assert nitro_ipy.cache_stats().misses == 3
+    graphdef3, _, _ = nnx.split(_NNXNet(8, nnx.Rngs(1)), nnx.Param, ...)
+    assert nitro_ipy.graphconst_field_hash(NNXExp(graphdef3)) != nitro_ipy.graphconst_field_hash(NNXExp(graphdef))
+
+
+@dataclasses.dataclass
+class Decayed:
+    def init(self, rng):
+        k1, k2 = jax.random.split(rng)
+        return {"dense": {"kernel": jax.random.normal(k1, (2, 4)), "bias": jnp.ones(4)},
+                "out": {"kernel": jax.random.normal(k2, (4,)), "bias": jnp.ones(())}}
+
+    def forward(self, params, *, x):
+        h = jnp.tanh(x @ params["dense"]["kernel"] + params["dense"]["bias"])
+        return h @ params["out"]["kernel"] + params["out"]["bias"]
+
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+
+    def optimizer(self):
+        mask = lambda p: jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key == "kernel", p)
+        return optax.adamw(1e-2, weight_decay=0.5, mask=mask)
+
+
+def test_path_mask_refused_on_flat_layout_with_the_fix():
+    with pytest.raises(NitroValueError, match=r"looks at parameter paths \(`mask`.*flat_params=False"):
+        Nitro(Decayed(), data={"train": _reg()}, progress=False)
+    n = Nitro(Decayed(), data={"train": _reg()}, batch_size=16, progress=False, flat_params=False)
+    n.train()
+    assert n.opt_state is not None
+
+
+def test_flat_and_tree_layouts_train_identical_params():
+    @dataclasses.dataclass
+    class Plain(Decayed):
+        def optimizer(self):
+            return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.1))
+
+    runs = []
+    for flat in (True, False):
+        n = Nitro(Plain(), data={"train": _reg()}, batch_size=16, max_epochs=2, progress=False, flat_params=flat)
+        n.train()
+        runs.append(n.params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), *runs)
+
+
+def test_device_field_in_a_schedule_constructor_names_field_and_fixes():
+    @dataclasses.dataclass
+    class Warm(Decayed):
+        lr: Device[float] = 1e-2
+        wd: Device[float] = 1e-4
+
+        def optimizer(self):
+            sched = optax.warmup_cosine_decay_schedule(0.0, self.lr, 10, 100)
+            return optax.adamw(sched, weight_decay=self.wd)
+
+    with pytest.raises(NitroTypeError) as info:
+        Nitro(Warm(), data={"train": _reg()}, progress=False)
+    msg = str(info.value)
+    assert "Device field `lr`" in msg and "`wd`" not in msg
+    assert "GraphConst[float]" in msg and "schedules={'lr': fn}" in msg
+
+
+def test_forward_wrong_arity_and_init_wrong_arity():
+    @dataclasses.dataclass
+    class NoTuple(Digits):
+        def init(self, rng):
+            return CNN(self.drop).init(rng, jnp.zeros((1, 8, 8, 1)), train=False)["params"]
+
+    with pytest.raises(NitroTypeError, match=r"declares `state`, so `init` must return `\(params, state\)`"):
+        Nitro(NoTuple(), data=_flax_data(), progress=False)
+
+    @dataclasses.dataclass
+    class OneOut(Digits):
+        def forward(self, params, *, x, state, rng, train):
+            return CNN(self.drop).apply({"params": params, **state}, x, train=False)
+
+    with pytest.raises(NitroTypeError, match=r"must return `\(outputs, new_state\)`"):
+        Nitro(OneOut(), data=_flax_data(), batch_size=16, progress=False).train()
+
+
+def test_reserved_name_on_a_hook_that_does_not_receive_it():
+    @dataclasses.dataclass
+    class LossRng(Decayed):
+        def loss(self, outputs, *, y, rng):
+            return jnp.mean((outputs - y) ** 2)
+
+    with pytest.raises(NitroTypeError, match=r"declares the reserved parameter `rng`"):
+        Nitro(LossRng(), progress=False)
+
+
+def test_given_params_and_state_start_the_run_and_are_checked():
+    n = Nitro(Digits(), data=_flax_data(), batch_size=16, progress=False)
+    n.train()
+    m = Nitro(Digits(), data=_flax_data(), batch_size=16, progress=False, params=n.params, state=n.state)
+    assert m.step == 0
+    jax.tree.map(np.testing.assert_array_equal, m.params, n.params)
+    assert m.validate() == n.validate()
+    bad = jax.tree.map(lambda a: a, dict(n.params))
+    bad["Dense_0"] = {"kernel": jnp.zeros((10, 2)), "bias": jnp.zeros(2)}
+    with pytest.raises(NitroValueError) as info:
+        Nitro(Digits(), data=_flax_data(), progress=False, params=bad, state=n.state)
+    assert "`params['Dense_0']['kernel']`: expected float32[128, 2], got float32[10, 2]" in str(info.value)
+    with pytest.raises(NitroValueError, match=r"`state\['batch_stats'\]\['BatchNorm_0'\]\['mean'\]` missing"):
+        Nitro(Digits(), data=_flax_data(), progress=False, params=n.params, state={})
+
+
+def test_a_checkpoint_carries_the_model_state(tmp_path):
+    n = Nitro(Digits(), data={"train": _images(32)}, batch_size=16, progress=False)
+    n.train()
+    path = n.save(tmp_path)
+    m = Nitro(Digits(), data={"train": _images(32)}, batch_size=16, progress=False, resume=path)
+    assert m.step == n.step == 2
+    jax.tree.map(np.testing.assert_array_equal, m.state, n.state)
+    jax.tree.map(np.testing.assert_array_equal, m.params, n.params)

@@ -1,0 +1,40 @@
+"""Re-make the docs' screenshots: the browser test's walkthrough of the quickstart (JupyterLab in Debian's
+Chromium, an 800 px window), keeping a few of its pictures under docs/images/.
+
+    python3 -m pip install -e ".[browser]" && python3 tools/screenshots.py
+
+Needs `/usr/bin/chromium` (`apt-get install chromium`). Prints what the walkthrough saw.
+"""
+
+import pprint
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+from _browser import walkthrough  # noqa: E402  (the test's own driver: the docs show what it checks)
+
+KEEP = ("stale-cell-light.png", "stale-cell-dark.png", "panel-light.png", "panel-dark.png", "stats-light.png",
+        "progress-light.png")
+
+
+def main() -> int:
+    shots = Path(tempfile.mkdtemp(prefix="nitro-shots-"))
+    facts = walkthrough(shots)
+    pprint.pprint(facts)
+    out = ROOT / "docs" / "images"
+    out.mkdir(parents=True, exist_ok=True)
+    for name in KEEP:
+        shutil.copy(shots / name, out / name)
+        print(f"docs/images/{name}: {(out / name).stat().st_size // 1024} KiB")
+    shutil.rmtree(shots, ignore_errors=True)
+    bad = facts["errors_reload"] + facts["errors_reopen"] + len(facts["console_errors"])
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
