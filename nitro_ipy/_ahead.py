@@ -174,6 +174,8 @@ def plan() -> list[Job]:
     recomposed against the live code) that the cache lacks."""
     jobs, seen = [], set()
     for handle, recipes in list(_recipes.items()):
+        if _on_a_mesh(handle):
+            continue
         # Stale: a program it runs was poisoned (a helper, a global moved), or its class cell was re-run
         # (the rebuild binds the new class, whose hooks key new programs; the old ones stay valid).
         poisoned = any(e.poisoned for e in handle._programs.values())
@@ -193,12 +195,18 @@ def plan() -> list[Job]:
     return sorted(jobs, key=lambda j: _ORDER.get(j.spec.kind, len(_ORDER)))
 
 
+def _on_a_mesh(handle) -> bool:
+    """A handle on a mesh compiles its programs with output shardings this module does not compose
+    yet: it compiles them itself, on demand (docs/scale.md)."""
+    return getattr(getattr(handle, "_place", None), "mesh", None) is not None
+
+
 def prefetch_eval(handle) -> bool:
     """Queue `handle`'s evaluation forward (when it has a `valid` split) to compile in the background
     while its first epoch trains; validation then finds it compiled or waits for the one in flight."""
     b = handle._binding
     split = b.splits.get("valid")
-    if not _enabled or split is None:
+    if not _enabled or split is None or _on_a_mesh(handle):
         return False
     inputs = b.routes["forward"].pick(split)
     targets = b.routes["loss"].pick(split) if b.loss is not None else ()

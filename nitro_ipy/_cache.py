@@ -20,6 +20,7 @@ from . import _memo, _report
 from ._compat import evict_traces
 from ._origin import is_user_file
 from ._report import Kind
+from ._sharding import sharding_signature
 from ._world import world
 
 
@@ -57,15 +58,13 @@ def arg_signature(args: tuple, names: tuple = ()) -> tuple:
     """The `args` key component: tree structure plus shape, dtype, weak type and sharding of each leaf.
 
     `names` label the positional arguments in explanations (`params['w1']` rather than `[0]['w1']`).
-    Sharding enters only when it spans several devices: one device is the default placement, whether
-    the leaf arrived as numpy or as a committed array.
+    Sharding enters only when it spans several devices (with the devices' ids: `_sharding.sharding_signature`):
+    one device is the default placement, whether the leaf arrived as numpy or as a committed array.
     """
     leaves, treedef = jax.tree_util.tree_flatten_with_path(args)
     sigs = []
     for path, leaf in leaves:
-        sharding = getattr(leaf, "sharding", None)
-        if sharding is not None and len(sharding.device_set) == 1:
-            sharding = None
+        sharding = sharding_signature(getattr(leaf, "sharding", None))
         label = jax.tree_util.keystr(path[1:])
         if names and path and isinstance(path[0], jax.tree_util.SequenceKey) and path[0].idx < len(names):
             label = names[path[0].idx] + label
@@ -77,7 +76,7 @@ def arg_signature(args: tuple, names: tuple = ()) -> tuple:
                 tuple(np.shape(leaf)),
                 str(getattr(leaf, "dtype", None) or np.result_type(leaf)),
                 bool(getattr(leaf, "weak_type", False)),
-                None if sharding is None else repr(sharding),
+                sharding,
             )
         )
     return (str(treedef), tuple(sigs))

@@ -284,7 +284,8 @@ def restore(n, path) -> None:
             if tuple(np.shape(old)) != tuple(new.shape):
                 raise NitroValueError(f"cannot resume from `{path}`: a `{group}` array is {list(new.shape)} "
                                       f"there and {list(np.shape(old))} here.")
-        state[group] = None if tree is None else jax.device_put(jax.tree_util.tree_unflatten(treedef, arrays))
+        # Each array where the live one is (on a mesh: replicated or sharded as the handle placed it).
+        state[group] = None if tree is None else n._place.like(jax.tree_util.tree_unflatten(treedef, arrays), tree)
     set_handle_state(n, state)
     n.step, n.epoch, n.seed = info["step"], info["epoch"], info["seed"]
     n.history.clear()  # the handle's own history object (a list of rows), refilled

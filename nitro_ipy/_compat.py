@@ -10,6 +10,7 @@ import re
 import weakref
 
 import jax
+from jax.sharding import Mesh
 
 # Type names of JAX's custom-derivative wrappers (`jax.custom_jvp`, `jax.custom_vjp`): the public classes
 # are re-exported under other module paths across releases, so they are matched by name.
@@ -153,6 +154,51 @@ def evict_traces(is_user) -> bool:
         elif any(part in name for part in _WRAPPED_FUN_TRACE_CACHES):
             cache.cache_clear()
     return True
+
+
+def ambient_mesh():
+    """The concrete mesh made current by `jax.set_mesh(mesh)` / `jax.sharding.use_mesh(mesh)` (or, on a
+    JAX without them, `with mesh:`), or None when none is set: the handle then runs on one device."""
+    get = getattr(jax.sharding, "get_mesh", None)
+    if get is not None:  # asked at every entry point: one call, no fallback
+        try:
+            mesh = get()
+        except Exception:
+            return None
+        return mesh if isinstance(mesh, Mesh) and not mesh.empty else None
+    try:  # `with mesh:` (older JAX): the resource environment's physical mesh
+        from jax._src import mesh as mesh_lib
+
+        mesh = mesh_lib.thread_resources.env.physical_mesh
+    except Exception:
+        return None
+    return mesh if isinstance(mesh, Mesh) and not mesh.empty else None
+
+
+def auto_axes(mesh):
+    """`mesh` with every axis in Auto mode (XLA propagates shardings, as `jax.jit` with shardings on the
+    arguments expects); `jax.make_mesh` builds Explicit axes on newer JAX, under which a matmul of a
+    batch split on `data` by a weight split on `data` is a type error rather than a gather. A mesh that
+    is already Auto, or a JAX without axis types, returns `mesh` itself."""
+    axis_type = getattr(jax.sharding, "AxisType", None)
+    types = getattr(mesh, "axis_types", None)
+    if axis_type is None or types is None or all(t == axis_type.Auto for t in types):
+        return mesh
+    return type(mesh)(mesh.devices, mesh.axis_names, axis_types=(axis_type.Auto,) * len(mesh.axis_names))
+
+
+def mesh_context(mesh):
+    """A context manager making `mesh` the current mesh: `jax.set_mesh`, else `jax.sharding.use_mesh`,
+    else (older JAX) the mesh itself."""
+    for setter in (getattr(jax, "set_mesh", None), getattr(jax.sharding, "use_mesh", None)):
+        if setter is not None:
+            return setter(mesh)
+    return mesh
+
+
+# The config option choosing the CPU backend's cross-process collectives (`"gloo"` for a multi-process run
+# on CPU: without it, a program spanning processes fails at its first all-reduce).
+CPU_COLLECTIVES_OPTION = "jax_cpu_collectives_implementation"
 
 
 def is_concrete_array(v) -> bool:

@@ -52,6 +52,7 @@ def compile_program(
     record: Callable | None = None,
     compiler_options: dict | None = None,
     sources: dict | None = None,
+    out_shardings=None,
 ):
     """Trace/lower/compile `fn` at `args` (JAX AOT), time it, and store the entry (a miss).
 
@@ -65,6 +66,8 @@ def compile_program(
     - `compiler_options`: XLA options, on top of `program_options`' policy.
     - `sources`: `{label: value}` a large constant baked into the program may have come from (the
       GraphConst fields), so the compile can say which one (`large_constants`).
+    - `out_shardings`: where the outputs go on a mesh (`_sharding.Sharded.out_shardings`); None lets XLA
+      choose (one device). Input shardings are the arguments' own.
 
     **Returns:** the stored `_cache.Entry`; if another thread is compiling the same key, the entry it
     stores (this thread waits for it: a key is compiled once, and the wait counts a hit).
@@ -73,7 +76,8 @@ def compile_program(
     if claimed is None:
         return entry
     try:
-        entry = _load_or_build(key, fn, args, donate_argnums, info, record, compiler_options, sources)
+        entry = _load_or_build(key, fn, args, donate_argnums, info, record, compiler_options, sources,
+                               out_shardings)
     except BaseException as err:
         _cache.release(claimed, err)
         raise
@@ -89,7 +93,7 @@ def compile_program(
 
 def compile_ahead(key, fn, args, *, donate_argnums: tuple = (), info: dict | None = None,
                   record: Callable | None = None, compiler_options: dict | None = None,
-                  sources: dict | None = None) -> tuple:
+                  sources: dict | None = None, out_shardings=None) -> tuple:
     """`compile_program` for a background thread (`_ahead`): the same claim, build and store, but it
     says nothing and raises nothing. A program whose dependencies drifted while it compiled is dropped,
     not served; a compile that raised leaves the key unclaimed, so the handle that needs the program
@@ -103,7 +107,8 @@ def compile_ahead(key, fn, args, *, donate_argnums: tuple = (), info: dict | Non
     if claimed is None:
         return "had", entry, None
     try:
-        entry = _load_or_build(key, fn, args, donate_argnums, info, record, compiler_options, sources)
+        entry = _load_or_build(key, fn, args, donate_argnums, info, record, compiler_options, sources,
+                               out_shardings)
     except Exception as err:  # noqa: BLE001 - surfaces at the rebuild that compiles it in the foreground
         _cache.release(claimed, None)
         return "failed", None, err
@@ -120,13 +125,14 @@ def compile_ahead(key, fn, args, *, donate_argnums: tuple = (), info: dict | Non
     return "compiled", entry, messages
 
 
-def _load_or_build(key, fn, args, donate_argnums, info, record, compiler_options, sources):
+def _load_or_build(key, fn, args, donate_argnums, info, record, compiler_options, sources, out_shardings=None):
     """A program stored by an earlier process, valid here and against the live code, is loaded
     instead of traced (`_store.py`); it still counts as a miss that creates an entry. Else `_build`."""
     why = explain_miss(key, info or {}, _cache.explanation_candidates())
     entry = _store.load(key, info, why) if record is not None else None
     if entry is None:
-        entry = _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, why)
+        entry = _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, why,
+                       out_shardings)
     return entry
 
 
@@ -135,9 +141,10 @@ def _save(entry) -> None:
         _store.save(entry)
 
 
-def _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, why=None):
+def _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, why=None, out_shardings=None):
     """Trace (recording), lower and XLA-compile: the `Entry`, not yet stored."""
-    jitted = jax.jit(fn, donate_argnums=donate_argnums)
+    placed = {} if out_shardings is None else {"out_shardings": out_shardings}
+    jitted = jax.jit(fn, donate_argnums=donate_argnums, **placed)
     t0 = time.perf_counter()
     if record is not None:
         # Only the trace runs user Python; lowering stays outside the recorder (and off a profiler hook).

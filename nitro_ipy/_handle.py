@@ -25,6 +25,7 @@ from ._model import Model, ParamSplit, check_given, check_state, run_init, stron
 from ._optimizer import init_optimizer
 from ._programs import EVAL, GRAD, METRIC, OPT, PREDICT, make_predict, program_key
 from ._report import Kind
+from ._sharding import in_mesh, placement
 
 
 _strong = strong  # the name benchmarks/profile_handle.py imports
@@ -43,6 +44,10 @@ class Nitro:
     - `progress`: show a progress bar while training (a widget in notebooks, text in terminals).
     - `flat_params`: update parameters as one flat buffer per dtype (default). Set False for optimizers
       whose maths is per array (LAMB, LARS, factored Adafactor, masks by parameter path).
+    - `mesh`: a `jax.sharding.Mesh` to run data parallel on (default: the mesh `jax.set_mesh` set, else
+      one device); each batch is split along its `data_axis` (default `"data"`), which `batch_size` must
+      divide. `param_sharding`: `(path, shape) -> PartitionSpec | None` to shard large parameters
+      (needs `flat_params=False`); params and optimizer state are replicated otherwise. See docs/scale.md.
     - `params`, `state`: start from these values (pretrained, checkpointed) instead of `init`'s; checked
       against the structure, shapes and dtypes `init` builds (abstractly: no real init is paid).
     - `resume`: a checkpoint file (`n.save(path)`) to continue from, or `"auto"`: the newest checkpoint in
@@ -69,6 +74,9 @@ class Nitro:
         seed: int = 0,
         progress: bool = True,
         flat_params: bool = True,
+        mesh=None,
+        data_axis: str = "data",
+        param_sharding=None,
         params=None,
         state=None,
         resume=None,
@@ -82,6 +90,7 @@ class Nitro:
         options = dict(
             data=data, batch_size=batch_size, max_epochs=max_epochs, accum=accum,
             schedules=schedules, seed=seed, progress=progress, flat_params=flat_params,
+            mesh=mesh, data_axis=data_axis, param_sharding=param_sharding,
             on_nonfinite=on_nonfinite, stop_when=stop_when,
         )
         # Checkpointing is checked before setup: a bad setting fails fast, before `init` runs.
@@ -107,6 +116,7 @@ class Nitro:
         n._setup(e, options, carry)
         return n
 
+    @in_mesh(lambda self, e, options, carry, given=None: options["mesh"])
     def _setup(self, e, options: dict, carry: tuple | None, given: tuple | None = None):
         batch_size, max_epochs, accum = options["batch_size"], options["max_epochs"], options["accum"]
         for name, value in (("batch_size", batch_size), ("max_epochs", max_epochs), ("accum", accum)):
@@ -116,11 +126,14 @@ class Nitro:
         self.seed, self.progress, self.flat_params = options["seed"], options["progress"], options["flat_params"]
         self._options = options
         self.on_nonfinite = check_on_nonfinite(options.get("on_nonfinite", "raise"))
+        # Where arrays live (one device, or a mesh): asked at setup, per batch and per compile.
+        self._place = place = placement(options["mesh"], options["data_axis"], options["param_sharding"])
+        place.check_batch_size(self.batch_size)
         # The handle is a fixed point from here on: hooks, routes and fingerprints are bound now.
         self._binding = b = bind(e, options["data"], options["schedules"])
         self.experiment = b.experiment
         # Device fields: converted once, strongly typed, passed to every program as traced inputs.
-        self._dev = {n: jax.device_put(v) for n, v in b.device_host.items()}
+        self._dev = place.replicate({n: jax.device_put(v) for n, v in b.device_host.items()})
 
         if carry is not None:
             params, state, opt_state, self.step, self.epoch = carry
@@ -139,18 +152,33 @@ class Nitro:
         if state is not None:
             check_state(state)
         split = ParamSplit(params)  # refuses, at setup, a leaf neither array nor static, naming its path
-        self._params = jax.tree.map(_strong, split.dynamic(params)) if opt_state is None else split.dynamic(params)
-        self._model_state = None if state is None else jax.tree.map(_strong, state)
+        on_mesh = place.mesh is not None  # a mesh's placement makes leaves strong itself, with no host copy
+        dynamic = split.dynamic(params)
+        # The dynamic tree (static leaves are None, so a `param_sharding` rule never sees them) is placed.
+        self._params = place.params(jax.tree.map(_strong, dynamic) if opt_state is None and not on_mesh else dynamic)
+        place.check_layout(self.flat_params)
+        if state is not None:
+            state = place.state(state) if on_mesh else jax.tree.map(_strong, state)
+        self._model_state = state
         trainable = split.trainable(self._params)
         self._layout = (FlatLayout if self.flat_params else TreeLayout)(trainable)
         self._model = Model(split, self._layout, b.has_state, b.reserved)
         if opt_state is None:
-            opt_state = jax.tree.map(_strong, init_optimizer(b, self._layout, trainable, self._dev))
+            opt_state = init_optimizer(b, self._layout, trainable, self._dev)
+            opt_state = place.opt_state(opt_state) if on_mesh else jax.tree.map(_strong, opt_state)
+        else:
+            opt_state = place.opt_state(opt_state)
         self._opt_state = opt_state
         self._settings = {"accum": self.accum, "layout": self._layout.signature, "statics": split.signature,
                           "on_nonfinite": self.on_nonfinite}  # what specs' options name
-        # The rng argument of the gradient program: `[seed, step]`, or None when no hook wants `rng`.
-        self._seed_step = (lambda step: np.array([self.seed, step], np.uint32)) if b.wants_rng else (lambda step: None)
+        # The rng argument of the gradient program: `[seed, step]` (replicated on a mesh), or None when no
+        # hook wants `rng`.
+        if not b.wants_rng:
+            self._seed_step = lambda step: None
+        elif on_mesh:
+            self._seed_step = lambda step: place.replicate(np.array([self.seed, step], np.uint32))
+        else:
+            self._seed_step = lambda step: np.array([self.seed, step], np.uint32)
 
         self._programs: dict = {}  # key -> Entry: what this handle runs (kept even if poisoned)
         self._kinds_seen: dict = {}  # kind -> key of the first program of that kind
@@ -237,7 +265,8 @@ class Nitro:
             entry = _compile.compile_program(key, fn, args, donate_argnums=spec.donate,
                                              info={"graphconst": self._binding.graphconst.info},
                                              record=_closure.record, compiler_options=spec.compiler_options,
-                                             sources=self._binding.graphconst_sources)
+                                             sources=self._binding.graphconst_sources,
+                                             out_shardings=self._place.out_shardings(spec.kind, args, self._model))
             first = self._kinds_seen.get(key.kind)
             if spec.loops and first is not None and first.hooks == key.hooks and key.kind not in self._loops_reported:
                 self._loops_reported.add(key.kind)
@@ -292,6 +321,7 @@ class Nitro:
             return _runs.start(self, control, work, epochs)
         return _runs.foreground(control, work)
 
+    @in_mesh()  # here, not on `train`: a background run trains in its own thread
     def _train_epochs(self, control, split: dict, fields, steps: int, epochs: int) -> list[dict]:
         # This call's progress report (None with `progress=False`); the loop reads it from the handle.
         progress = self.__dict__["_progress"] = _progress.start(self, epochs, steps, quiet=control.quiet)
@@ -355,11 +385,13 @@ class Nitro:
         valid = [(float(r["epoch"]), r["valid_loss"]) for r in self.history if "valid_loss" in r]
         return _html.LossChart(curve, valid)
 
+    @in_mesh()
     def validate(self) -> dict:
         """Evaluate on the `valid` split: `{"loss": ..., <metric>: ...}`."""
         self._enter("validate")
         return self._evaluate("valid")
 
+    @in_mesh()
     def evaluate(self, split: str = "test") -> dict:
         """Evaluate on `split`: the exact, example-weighted loss and every metric, over every example."""
         self._enter("evaluate")
@@ -375,12 +407,13 @@ class Nitro:
         metric_fields = {name: b.routes[name].pick(split) for name in b.metrics}
         fields = sorted(set(inputs) | set(targets) | {f for fs in metric_fields.values() for f in fs})
         host_view = b.view(b.device_host)
+        place = self._place
         loss_sums, sums = [], {}
         entry = None
         for batch, n_valid in eval_batches(split, fields, self.batch_size):
-            x = {k: batch[k] for k in inputs}
-            t = {k: batch[k] for k in targets}
-            args = (self._params, self._model_state, self._dev, x, t, np.int32(n_valid))
+            x = place.batch({k: batch[k] for k in inputs})
+            t = place.batch({k: batch[k] for k in targets})
+            args = (self._params, self._model_state, self._dev, x, t, place.replicate(np.int32(n_valid)))
             if entry is None:
                 entry = self._resolve(EVAL, args, inputs=inputs, targets=targets)
             else:
@@ -394,22 +427,23 @@ class Nitro:
             for name, (fn, residency) in b.metrics.items():
                 f = {k: batch[k][:n_valid] for k in metric_fields[name]}
                 if residency == "device":
-                    margs = (self._dev, outputs, f)
+                    margs = (self._dev, *place.metric_args((outputs, f)))
                     result = self._resolve(METRIC, margs, hook=name).call(*margs)
                 else:
-                    result = fn(host_view, jax.tree.map(np.asarray, outputs), **f)
+                    result = fn(host_view, jax.tree.map(np.asarray, place.host(outputs)), **f)
                 _accumulate(sums, name, result)
         out = {}
         if b.loss is not None:
-            out["loss"] = float(np.sum(np.asarray(jax.device_get(loss_sums), np.float64)) / n)
+            out["loss"] = float(np.sum(np.asarray(place.host(loss_sums), np.float64)) / n)
         for name, (s, c) in sums.items():
-            s, c = jax.device_get(s), jax.device_get(c)
+            s, c = place.host(s), place.host(c)
             if c is not None:
                 check_metric_count(split_name, name, c)
             value = np.asarray(s) / c if c is not None else np.asarray(s)
             out[name] = float(value) if np.ndim(value) == 0 else value
         return out
 
+    @in_mesh()
     def predict(self, inputs: dict):
         """Run `forward` over `inputs` (a dict of arrays) in batches; returns the outputs as numpy."""
         self._enter("predict")
@@ -429,12 +463,12 @@ class Nitro:
         pieces = []
         entry = None
         for batch, n_valid in eval_batches(split, names, self.batch_size):
-            args = (self._params, self._model_state, self._dev, batch)
+            args = (self._params, self._model_state, self._dev, self._place.batch(batch))
             if entry is None:
                 entry = self._resolve(PREDICT, args)
             else:
                 _cache.count_hit(entry)
-            out = jax.device_get(entry.call(*args))
+            out = self._place.host(entry.call(*args))
             pieces.append(jax.tree.map(lambda o: np.asarray(o)[:n_valid], out))
         return jax.tree.map(lambda *xs: np.concatenate(xs), *pieces)
 

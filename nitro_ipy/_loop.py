@@ -77,13 +77,15 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
     infinite loss, gradient or Device value raises `NonFiniteLossError` at the next sync point; the
     optimizer program has kept the parameters of the last finite step (`_guard`).
     """
-    batches = train_batches(split, fields, n.batch_size, n.accum, (n.seed, n.epoch))
+    place = n._place  # on a mesh, each batch is split along the data axis as it is drawn
+    batches = place.batches(train_batches(split, fields, n.batch_size, n.accum, (n.seed, n.epoch)), n.accum > 1)
     step0 = n.step
-    n._guard = _guard.fresh(_guard.n_parts(n._layout, n._model.split.trainable(n._params), n._dev))
+    # The guard is a tiny int32 vector: replicated on a mesh, like every scalar the programs take.
+    n._guard = place.replicate(_guard.fresh(_guard.n_parts(n._layout, n._model.split.trainable(n._params), n._dev)))
     settled = False
     bar = None  # told after the first step, so compile lines print above it, not through it
     binding = n._binding
-    schedules, apply_schedules = binding.schedules, binding.apply_schedules
+    schedules, apply_schedules = binding.schedules, place.schedules(binding.apply_schedules)
     dev = n._dev  # schedules set its values in place, so the programs see them through this one dict
     gate = InterruptGate() if gate is None else gate
     losses, total, n_loss = [], 0.0, 0
@@ -93,15 +95,15 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
             # First step: resolve both programs (maybe compiling); they stay fixed for the epoch when
             # the optimizer hands back parameters and state of the avals it was compiled for.
             batch = next(batches)
-            if schedules:
-                binding.first_schedules(dev, n.step)  # checked: type, dtype, shape, finite
+            if schedules:  # checked: type, dtype, shape, finite; then replicated on a mesh
+                place.schedules(binding.first_schedules)(dev, n.step)
             grad, opt, loss = keyed_step(n, batch, gate)
             stable = returns_its_inputs(opt)
             n.step += 1
             losses.append(loss)
             gate.defer = False
             bar = n.__dict__.get("_progress")  # this train() call's `_progress.Progress`, or None
-            if bar is not None:
+            if bar is not None:  # it draws on process 0 only (`_progress.start`)
                 bar.begin_epoch()
             grad_call, opt_call, seed_step = grad.call, opt.call, n._seed_step
             append, perf_counter = losses.append, time.perf_counter
@@ -192,13 +194,16 @@ def nonfinite_error(n, guard, step0: int, split: dict, fields) -> NonFiniteLossE
             if i == index:
                 return batch
 
+    place = n._place
+
     def dev_at(step):
         dev = dict(n._dev)
         if binding.schedules:
-            binding.apply_schedules(dev, step)
+            place.schedules(binding.apply_schedules)(dev, step)
         return dev
 
     def regrad(batch, dev):
+        batch = place.batch(batch, n.accum > 1)  # placed as the loop placed it: the same program
         flat_grads, loss, _ = n._grad_entry(batch).call(n._params, n._model_state, dev, batch, n._seed_step(n.step))
         return flat_grads, loss
 

@@ -14,6 +14,7 @@ import sys
 import time
 
 from . import _memo, _report
+from ._sharding import is_main_process
 
 
 class TextFront:
@@ -147,10 +148,12 @@ class QuietFront:
 
 def start(n, epochs: int, steps: int, quiet: bool = False) -> Progress | None:
     """The progress of a `train()` call on `n`, with the current sink's front end (none when `quiet`: a
-    background run), or None when the handle was built with `progress=False`."""
+    background run, and every process but 0 of a `jax.distributed` run), or None when the handle was built
+    with `progress=False`."""
     global _latest
     if not n.progress:
         return None
+    quiet = quiet or not is_main_process()
     make = None if quiet else getattr(_report.sink(), "progress_front", None)
     front = QuietFront() if quiet else (make() if make is not None else None)
     _latest = Progress(n, epochs, steps, front if front is not None else TextFront())

@@ -13,6 +13,8 @@ import sys
 import threading
 from typing import Callable, NamedTuple
 
+from ._sharding import is_main_process
+
 
 class Kind(str, enum.Enum):
     """What a message is about. A `str` enum: `Kind.COMPILE == "compile"`."""
@@ -202,12 +204,16 @@ _local = threading.local()
 
 def emit(kind: Kind, **data) -> Message:
     """Compose the message and send it to the current sink; a failing sink degrades to plain text, never
-    raises."""
+    raises. Under `jax.distributed` only process 0 says anything (`_sharding.is_main_process`): the
+    others compose the message and return it."""
     return send(message(kind, **data))
 
 
 def send(msg: Message) -> Message:
-    """Send a composed message (one a background thread composed and held, say) to the current sink."""
+    """Send a composed message (one a background thread composed and held, say) to the current sink;
+    on a process other than 0 of a `jax.distributed` run, nothing is said."""
+    if not is_main_process():
+        return msg
     target = getattr(_local, "sink", None) or _sink
     try:
         target(msg)

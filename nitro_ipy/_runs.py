@@ -344,7 +344,8 @@ def set_fields(handle, values: dict) -> None:
         object.__setattr__(experiment, name, values[name])  # works on frozen dataclasses too
     for name, arr in device.items():
         b.device_host[name] = arr  # what host metric hooks and a rebuild's optimizer init see
-        handle._dev[name] = jax.device_put(arr)  # the programs read this dict at every step
+        # The programs read this dict at every step; on a mesh the value is replicated like the others.
+        handle._dev[name] = handle._place.replicate(jax.device_put(arr))
     handle.experiment = experiment
 
 

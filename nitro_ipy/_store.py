@@ -41,6 +41,7 @@ from ._compat import (
 )
 from ._errors import NitroValueError
 from ._report import Kind
+from ._sharding import is_main_process
 
 ENV = "NITRO_IPY_CACHE_DIR"
 ENV_MAX_BYTES = "NITRO_IPY_CACHE_MAX_BYTES"
@@ -272,9 +273,10 @@ def fallback(key, reason: str) -> bool:
 
 def save(entry) -> bool:
     """Write `entry` to the store (atomically); False when the store is off or the program cannot be
-    serialized (then JAX's persistent cache takes it: `fallback`)."""
+    serialized (then JAX's persistent cache takes it: `fallback`). Under `jax.distributed` only process 0
+    writes (`_sharding.is_main_process`): the others compiled the same program under the same key."""
     programs = active_dir()
-    if programs is None or entry.closure is None:
+    if programs is None or entry.closure is None or not is_main_process():
         return False
     try:
         payload_exe, in_tree, out_tree = serialize_compiled(entry.call)

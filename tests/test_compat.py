@@ -75,6 +75,30 @@ def test_the_option_names_we_set_are_known_to_this_xla_or_dropped_cleanly():
             assert _compat.unknown_compile_option(err) == name
 
 
+def test_ambient_mesh_is_the_one_set_mesh_made_current():
+    assert _compat.ambient_mesh() is None
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    with jax.set_mesh(mesh):
+        assert _compat.ambient_mesh() is mesh
+    assert _compat.ambient_mesh() is None
+    if hasattr(jax.sharding, "use_mesh"):
+        with jax.sharding.use_mesh(mesh):
+            assert _compat.ambient_mesh() is mesh
+
+
+def test_cpu_collectives_option_is_a_config_option():
+    assert _compat.CPU_COLLECTIVES_OPTION in jax.config.values  # the two-process test sets it to "gloo"
+
+
+def test_auto_axes_turns_explicit_axes_auto():
+    mesh = jax.make_mesh((1,), ("data",))
+    auto = _compat.auto_axes(mesh)
+    assert auto.axis_names == ("data",) and list(auto.devices.flat) == list(mesh.devices.flat)
+    if hasattr(jax.sharding, "AxisType"):
+        assert auto.axis_types == (jax.sharding.AxisType.Auto,)
+        assert _compat.auto_axes(auto) is auto
+
+
 def test_serialize_compiled_round_trips_an_executable():
     from nitro_ipy._compat import deserialize_compiled, serialize_compiled
 

@@ -1,0 +1,369 @@
+"""Past one device: data parallel on a mesh, parameter sharding rules, two processes over loopback.
+
+Every multi-device test runs in its own child Python (4 simulated CPU devices, `jax_num_cpu_devices`),
+bounded in time; the two-process test runs two children of 2 devices each (gloo collectives) and
+compares them with a one-device run here. Cost: about 25 s of the suite, most of it JAX start-up and
+compiles in the children.
+"""
+
+import socket
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+import nitro_ipy
+from nitro_ipy import _sharding
+from nitro_ipy._errors import NitroValueError
+from jax.sharding import PartitionSpec as P
+
+from _modules import child_env, import_source, json_in_child, last_json
+
+CHILD_TIMEOUT = 120
+
+# The experiment every test trains: one device metric (its own program) and one host metric, a ragged
+# valid split (70 = 2 x 32 + 6), so a run builds grad, opt, eval and the metric twice: 5 programs.
+EXPERIMENT = """
+import dataclasses
+import jax, jax.numpy as jnp, numpy as np, optax
+import nitro_ipy
+from nitro_ipy import Device, GraphConst
+
+def act(h):
+    return jnp.tanh(h)
+
+@dataclasses.dataclass
+class Regression:
+    hidden: GraphConst[int] = 16
+    lr: Device[float] = 1e-2
+
+    def init(self, rng):
+        k1, k2 = jax.random.split(rng)
+        return {"w1": jax.random.normal(k1, (4, self.hidden)) * 0.5,
+                "w2": jax.random.normal(k2, (self.hidden,)) * 0.5}
+
+    def forward(self, params, *, x):
+        return act(x @ params["w1"]) @ params["w2"]
+
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+
+    def optimizer(self):
+        return optax.adam(self.lr)
+
+    @nitro_ipy.metrics("device")
+    def mae(self, outputs, *, y):
+        return {"mae": (jnp.sum(jnp.abs(outputs - y)), outputs.shape[0])}
+
+    @nitro_ipy.metrics
+    def close(self, outputs, *, y):
+        return {"close": (np.sum(np.abs(outputs - y) < 0.5), len(y))}
+
+def data():
+    x = np.random.default_rng(0).normal(size=(256, 4)).astype(np.float32)
+    y = np.sin(x.sum(1))
+    return {"train": {"x": x, "y": y}, "valid": {"x": x[:70], "y": y[:70]}}
+
+def summary(n, rows):
+    params = {k: np.asarray(v).tolist() for k, v in n._place.host(n.params).items()}
+    return {"rows": rows, "params": params, "predict": np.asarray(n.predict({"x": data()["train"]["x"][:50]})).tolist()}
+"""
+
+PRELUDE = """
+import json
+def opt_state_of(n):  # `n.opt_state` once model state lands (issue 12), `n.state` before
+    return n.opt_state if hasattr(type(n), "opt_state") else n.state
+import jax
+jax.config.update("jax_num_cpu_devices", 4)
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+import nitro_ipy
+from nitro_ipy import Nitro
+import exp
+mesh = Mesh(np.array(jax.devices()), ("data",))
+"""
+
+
+def in_child(tmp_path, body: str):
+    """Run `PRELUDE + body` in a child Python with 4 CPU devices and the experiment module importable."""
+    (tmp_path / "exp.py").write_text(EXPERIMENT)
+    return json_in_child(PRELUDE + textwrap.dedent(body), tmp_path, "0", timeout=CHILD_TIMEOUT)
+
+
+def assert_runs_agree(one: dict, many: dict):
+    assert [r["epoch"] for r in one["rows"]] == [r["epoch"] for r in many["rows"]]
+    for a, b in zip(one["rows"], many["rows"]):
+        assert a.keys() == b.keys()
+        np.testing.assert_allclose([a[k] for k in a], [b[k] for k in a], rtol=1e-5)
+    for k in one["params"]:
+        np.testing.assert_allclose(one["params"][k], many["params"][k], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(one["predict"], many["predict"], rtol=1e-5, atol=1e-6)
+
+
+def test_data_parallel_matches_one_device_with_the_same_counts(tmp_path):
+    out = in_child(tmp_path, """
+    def run(**kw):
+        before = nitro_ipy.cache_stats()
+        n = Nitro(exp.Regression(), data=exp.data(), batch_size=32, max_epochs=2, progress=False, **kw)
+        rows = n.train()
+        after = nitro_ipy.cache_stats()
+        s = exp.summary(n, rows)
+        s["misses"] = after.misses - before.misses
+        s["entries"] = after.entries - before.entries
+        return n, s
+
+    _, one = run()
+    n, many = run(mesh=mesh)  # the same experiment on 4 devices: every key moves (shardings), 5 new programs
+    grad = next(e for e in n._programs.values() if e.kind == "grad")
+    batch_specs = [s.spec for s in jax.tree.leaves(grad.call.input_shardings[0][3])]  # (params, state, dev, batch, rng)
+    # Inside `jax.set_mesh`, a handle given no mesh runs on the ambient one: the same keys, no compile.
+    before = nitro_ipy.cache_stats()
+    with jax.set_mesh(mesh):
+        ambient = Nitro(exp.Regression(), data=exp.data(), batch_size=32, progress=False)
+        ambient.train()
+    ambient_misses = nitro_ipy.cache_stats().misses - before.misses
+    # A schedule's host value is replicated before the step: the same keys, the same run.
+    before = nitro_ipy.cache_stats()
+    _, scheduled = run(mesh=mesh, schedules={"lr": lambda step: 1e-2})
+    scheduled_misses = nitro_ipy.cache_stats().misses - before.misses
+    # `n.set` on a live mesh handle replicates the new value: the same keys.
+    before = nitro_ipy.cache_stats()
+    n.set(lr=5e-3)
+    n.train(1)
+    n.validate()
+    set_misses = nitro_ipy.cache_stats().misses - before.misses
+    # accum=2 stacks micro-batches: (2, 32, ...) split along the second axis.
+    _, one_acc = run(accum=2)
+    _, many_acc = run(accum=2, mesh=mesh)
+    print(json.dumps({
+        "one": one, "many": many, "one_acc": one_acc, "many_acc": many_acc, "scheduled": scheduled,
+        "scheduled_misses": scheduled_misses, "set_misses": set_misses,
+        "param_specs": [str(a.sharding.spec) for a in jax.tree.leaves(n.params)],
+        "opt_specs": sorted({str(a.sharding.spec) for a in jax.tree.leaves(opt_state_of(n))}),
+        "batch_specs": [str(s) for s in batch_specs],
+        "all_reduce": "all-reduce" in grad.call.as_text(),
+        "ambient_mesh": ambient._place.mesh is not None, "ambient_misses": ambient_misses,
+        "kinds": sorted(e.kind for e in n._programs.values()),
+    }))
+    """)
+    assert_runs_agree(out["one"], out["many"])
+    assert_runs_agree(out["one_acc"], out["many_acc"])
+    assert_runs_agree(out["one"], out["scheduled"])
+    assert out["scheduled_misses"] == 0  # every program, predict included, hits the mesh run's
+    assert out["set_misses"] == 0
+    # The acceptance counts of one device: grad, opt, eval, the device metric x 2 (ragged valid split).
+    assert (out["one"]["misses"], out["one"]["entries"]) == (5, 5)
+    assert (out["many"]["misses"], out["many"]["entries"]) == (5, 5)
+    assert (out["many_acc"]["misses"], out["many_acc"]["entries"]) == (1, 1)  # grad: accum is in its key, not opt's
+    assert out["kinds"] == ["eval", "grad", "metric:mae", "metric:mae", "opt", "predict"]
+    assert out["param_specs"] == [str(P()), str(P())]
+    assert out["opt_specs"] == [str(P())]
+    assert out["batch_specs"] == [str(P("data")), str(P("data"))]
+    assert out["all_reduce"]  # XLA reduces the gradients inside the gradient program
+    assert out["ambient_mesh"] and out["ambient_misses"] == 0
+
+
+def test_param_sharding_rule_shards_params_and_their_optimizer_state(tmp_path):
+    out = in_child(tmp_path, """
+    import importlib, pathlib
+    rule = lambda path, shape: P(None, "data") if path == "w1" else None
+    one = Nitro(exp.Regression(), data=exp.data(), batch_size=32, max_epochs=2, progress=False, flat_params=False)
+    one_s = exp.summary(one, one.train())
+    n = Nitro(exp.Regression(), data=exp.data(), batch_size=32, max_epochs=2, progress=False,
+              flat_params=False, mesh=mesh, param_sharding=rule)
+    many = exp.summary(n, n.train())
+    w1 = n.params["w1"]
+    mu = opt_state_of(n)[0].mu["w1"]
+    shard_shape = w1.addressable_shards[0].data.shape
+    # The shardings survive a rebuild, and the rebuilt handle hits every program.
+    before = nitro_ipy.cache_stats()
+    r = n.rebuild()
+    r.train(1)
+    rebuilt_misses = nitro_ipy.cache_stats().misses - before.misses
+    # An edit to a helper below `forward` poisons the mesh programs that traced it; a rebuild recompiles them.
+    src = pathlib.Path(exp.__file__)
+    src.write_text(src.read_text().replace("return jnp.tanh(h)", "return jnp.tanh(h) * 0.5"))
+    importlib.reload(exp)
+    nitro_ipy.bump_world()
+    before = nitro_ipy.cache_stats()
+    r2 = Nitro(exp.Regression(), data=exp.data(), batch_size=32, progress=False, flat_params=False,
+               mesh=mesh, param_sharding=rule)
+    r2.train()
+    edited_misses = nitro_ipy.cache_stats().misses - before.misses
+    print(json.dumps({"one": one_s, "many": many, "w1": str(w1.sharding.spec), "mu": str(mu.sharding.spec),
+                      "w2": str(n.params["w2"].sharding.spec), "shard_shape": shard_shape,
+                      "rebuilt": str(r.params["w1"].sharding.spec), "rebuilt_misses": rebuilt_misses,
+                      "edited_misses": edited_misses}))
+    """)
+    assert_runs_agree(out["one"], out["many"])
+    assert (out["w1"], out["mu"], out["w2"]) == (str(P(None, "data")), str(P(None, "data")), str(P()))
+    assert out["shard_shape"] == [4, 4]  # each device holds a quarter of w1's 16 columns
+    assert out["rebuilt"] == str(P(None, "data")) and out["rebuilt_misses"] == 0
+    assert out["edited_misses"] == 2  # grad and eval traced `forward`'s helper; opt and the metrics did not
+
+
+def test_bad_input_is_refused_at_setup(tmp_path):
+    out = in_child(tmp_path, """
+    from jax.sharding import Mesh
+    def error(e=exp.Regression(), **kw):
+        try:
+            Nitro(e, data=exp.data(), progress=False, **kw)
+        except Exception as err:
+            return [type(err).__name__, str(err)]
+        return None
+    model_mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("batch", "model"))
+    print(json.dumps({
+        "batch": error(mesh=mesh, batch_size=30),
+        "small": error(mesh=mesh, batch_size=2),
+        "axis": error(mesh=model_mesh, batch_size=32),
+        "not_a_mesh": error(mesh=jax.devices(), batch_size=32),
+        "not_spec": error(mesh=mesh, batch_size=32, flat_params=False, param_sharding=lambda p, s: "data"),
+        "rank": error(mesh=mesh, batch_size=32, flat_params=False,
+                      param_sharding=lambda p, s: P(None, None, "data") if p == "w2" else None),
+        "unknown": error(mesh=mesh, batch_size=32, flat_params=False, param_sharding=lambda p, s: P("model")),
+        "twice": error(mesh=model_mesh, data_axis="batch", batch_size=32, flat_params=False,
+                       param_sharding=lambda p, s: P("model", "model") if p == "w1" else None),
+        "rows_rule": error(mesh=mesh, batch_size=32, flat_params=False,
+                        param_sharding=lambda p, s: P("data") if p == "w1" else None),
+        "flat": error(mesh=mesh, batch_size=32, param_sharding=lambda p, s: P(None, "data") if p == "w1" else None),
+        "flat_replicated": error(mesh=mesh, batch_size=32, param_sharding=lambda p, s: None),
+        "model_axis_ok": error(mesh=model_mesh, data_axis="batch", batch_size=32),
+        "divide": error(mesh=mesh, batch_size=32, flat_params=False, e=exp.Regression(hidden=6),
+                        param_sharding=lambda p, s: P(None, "data") if p == "w1" else None),
+    }))
+    """)
+    assert out["batch"] == [
+        "NitroValueError",
+        "`batch_size=30` does not divide over the mesh's `data` axis of 4 devices; every device takes an equal "
+        "share of each batch. Use `batch_size=28` or `32` (a multiple of 4).",
+    ]
+    assert out["small"][1].endswith("Use `batch_size=4` (a multiple of 4).")
+    assert out["axis"] == [
+        "NitroValueError",
+        "the mesh has no `data` axis to split batches along (its axes: `batch`, `model`); pass `data_axis=` "
+        "naming one of them, or build the mesh with a `\"data\"` axis.",
+    ]
+    assert out["not_a_mesh"][0] == "NitroTypeError" and "got list" in out["not_a_mesh"][1]
+    assert out["not_spec"] == [
+        "NitroTypeError",
+        "`param_sharding` must return a `jax.sharding.PartitionSpec` (or None to replicate) for each "
+        "parameter; for `w1` (shape (4, 16)) it returned str ('data').",
+    ]
+    assert out["rank"][1].endswith(f"for `w2` (shape (16,)) it returned {P(None, None, 'data')!r}, "
+                                   "which names 3 dimensions for a 1-D array.")
+    assert out["unknown"][1].endswith(": the mesh has no `model` axis (its axes: 'data').")
+    assert out["twice"][1].endswith(f"{P('model', 'model')!r}: axis `model` is used twice.")
+    assert out["rows_rule"] is None  # w1's 4 rows split into 4 parts: a valid rule
+    assert out["flat"] == [
+        "NitroValueError",
+        f"`param_sharding` splits `w1` ({P(None, 'data')}) across devices, and the flat parameter "
+        "layout (`flat_params=True`, the default) concatenates parameters into one buffer per dtype, which "
+        "would gather them whole; pass `flat_params=False` with `param_sharding=`.",
+    ]
+    assert out["flat_replicated"] is None and out["model_axis_ok"] is None
+    assert out["divide"] == [
+        "NitroValueError",
+        "`param_sharding` must return a `jax.sharding.PartitionSpec` (or None to replicate) for each parameter; "
+        f"for `w1` (shape (4, 6)) it returned {P(None, 'data')!r}: dimension 1 has size 6, which does not split "
+        "into 4 equal parts; return None for this parameter (replicate it) or shard a dimension that divides.",
+    ]
+
+
+def test_param_sharding_without_a_mesh_is_refused():
+    with pytest.raises(NitroValueError, match=r"`param_sharding=` needs a mesh to shard over"):
+        _sharding.placement(None, "data", lambda p, s: None)
+
+
+def test_one_device_is_the_default_placement():
+    assert isinstance(_sharding.placement(), _sharding.SingleDevice)
+    assert _sharding.is_main_process()
+    x = jax.device_put(np.ones(3))
+    assert _sharding.sharding_signature(x.sharding) is None
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    with jax.set_mesh(mesh):
+        place = _sharding.placement()
+    assert isinstance(place, _sharding.Sharded) and place.data_size == 1
+
+
+WORKER = """
+import json, sys
+pid, port = int(sys.argv[1]), int(sys.argv[2])
+import jax
+from nitro_ipy._compat import CPU_COLLECTIVES_OPTION
+jax.config.update("jax_num_cpu_devices", 2)
+jax.config.update(CPU_COLLECTIVES_OPTION, "gloo")
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+import numpy as np
+from jax.sharding import Mesh
+import nitro_ipy, exp
+mesh = Mesh(np.array(jax.devices()), ("data",))
+n = nitro_ipy.Nitro(exp.Regression(), data=exp.data(), batch_size=32, max_epochs=2, mesh=mesh)
+rows = n.train()
+local_rows = n._place._local_rows
+out = exp.summary(n, rows)
+out["stats"] = list(nitro_ipy.cache_stats())
+out["validate"] = n.validate()
+out["local"] = sorted(map(list, set(local_rows.values())))
+out["main"] = nitro_ipy._sharding.is_main_process()
+print(json.dumps(out))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_train_like_one(tmp_path, monkeypatch):
+    (tmp_path / "exp.py").write_text(EXPERIMENT)
+    (tmp_path / "worker.py").write_text(WORKER)
+    port, env = free_port(), child_env(tmp_path)
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(i), str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=CHILD_TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-4000:]
+    results = [last_json(o) for o, _ in outs]
+    printed = [[ln for ln in o.splitlines() if ln.startswith("nitro_ipy:")] for o, _ in outs]
+
+    # The reference: the same run on this process's one device.
+    e = import_source(tmp_path, monkeypatch, "exp", EXPERIMENT)
+    n = nitro_ipy.Nitro(e.Regression(), data=e.data(), batch_size=32, max_epochs=2, progress=False)
+    one = e.summary(n, n.train())
+    one["validate"] = n.validate()
+    for r in results:
+        assert_runs_agree(one, r)
+        np.testing.assert_allclose(list(one["validate"].values()), list(r["validate"].values()), rtol=1e-5)
+        assert r["stats"][1:] == [6, 6]  # grad, opt, eval, metric x 2, predict, as on one device
+    assert results[0]["rows"] == results[1]["rows"] and results[0]["validate"] == results[1]["validate"]
+    # Each process sends only its own rows: half of each 32-row batch (and of the padded eval batches).
+    assert results[0]["local"] == [[0, 16]] and results[1]["local"] == [[16, 32]]
+    assert [r["main"] for r in results] == [True, False]
+    # Only process 0 speaks: 6 compiles and 2 epoch lines; process 1 says nothing.
+    assert sum(ln.startswith("nitro_ipy: compiled") for ln in printed[0]) == 6
+    assert sum(ln.startswith("nitro_ipy: epoch") for ln in printed[0]) == 2
+    assert printed[1] == [] and "epoch 1" not in outs[1][1]
+
+
+
+def test_scale_page_runs_on_four_devices(tmp_path):
+    """docs/scale.md's blocks (test_docs runs them on one device) on 4 devices, where they shard."""
+    root = __import__("pathlib").Path(__file__).resolve().parent
+    code = PRELUDE.replace("import exp\n", "") + textwrap.dedent(f"""
+    import sys
+    sys.path.insert(0, {str(root)!r})
+    from test_docs import ROOT, run_page
+    ran = run_page(ROOT / "docs" / "scale.md")
+    print(json.dumps({{"ran": ran, "devices": jax.device_count()}}))
+    """)
+    out = json_in_child(code, tmp_path, "0", timeout=CHILD_TIMEOUT)
+    assert out == {"ran": 4, "devices": 4}  # the page's asserts ran on 4 devices: w1 in column slices of 4
