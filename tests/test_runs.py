@@ -411,8 +411,20 @@ def _main_thread_waits():
 
 
 def test_ctrl_c_during_wait_stops_the_run():
-    n = _handle(Steer(at=13, then=lambda: (_main_thread_waits(), os.kill(os.getpid(), signal.SIGINT))), max_epochs=5)
-    run = n.train(background=True)
+    held = {}
+
+    def interrupt_the_waiter():
+        _main_thread_waits()
+        os.kill(os.getpid(), signal.SIGINT)
+        # The worker holds its step until the waiter has asked the run to stop, so the stop lands at the
+        # next boundary however the two threads are scheduled on a loaded machine.
+        for _ in range(100000):
+            if "run" in held and held["run"]._control.pending:
+                return
+            threading.Event().wait(0.001)
+
+    n = _handle(Steer(at=13, then=interrupt_the_waiter), max_epochs=5)
+    run = held["run"] = n.train(background=True)
     with pytest.raises(nitro_ipy.TrainingInterrupted, match=r"^training interrupted at epoch 2, step 4/10; the handle is usable$"):
         run.wait()
     assert run.status == "stopped" and (n.step, n.epoch, len(n.history)) == (14, 1, 1)
