@@ -42,7 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import nitro_ipy  # noqa: E402
-from nitro_ipy import Nitro, _cache, _compile, _programs, _report  # noqa: E402
+from nitro_ipy import Nitro, _cache, _compile, _guard, _programs, _report  # noqa: E402
 
 DEEP = dict(in_dim=16, width=32, depth=120, batch=64)
 TINY = dict(in_dim=8, width=32, depth=1, batch=32)
@@ -102,8 +102,8 @@ def probe_loop(cells):
         grad, opt = ent["grad"], ent["opt"]
         g_out = grad.call(n._params, None, n._dev, {k: v[: cfg["batch"]] for k, v in data.items()}, None)
         real = grad.call, opt.call
-        grad.call = lambda p, d, b: g_out
-        opt.call = lambda p, g, s, d: (p, s)
+        grad.call = lambda p, st, d, b, r: g_out  # (flat grads, loss, model state)
+        opt.call = lambda p, g, s, d, loss, guard: (p, s, guard)
         try:
             r_n = best(lambda: n.train(), CFG["loop_reps"], 1)
         finally:
@@ -136,6 +136,7 @@ def probe_dispatch(cells):
         bst = [p0, opt.init(p0)]
         nst = [n._params, n._opt_state]
         dev = n._dev
+        guard = [_guard.fresh(_guard.n_parts(n._layout, n._model.split.trainable(n._params), dev))]
         sync = lambda: jax.block_until_ready((nst, bst))
 
         def base(batch):
@@ -145,11 +146,11 @@ def probe_dispatch(cells):
 
         def nit(batch, g, o):
             def f():
-                fg, _, _ = g(nst[0], None, dev, batch, None)
-                nst[0], nst[1] = o(nst[0], fg, nst[1], dev)
+                fg, loss, _ = g(nst[0], None, dev, batch, None)
+                nst[0], nst[1], guard[0] = o(nst[0], fg, nst[1], dev, loss, guard[0])
             return f
 
-        fg0 = G(nst[0], None, dev, xd, None)[0]
+        fg0, loss0, _ = G(nst[0], None, dev, xd, None)
         last = [fg0]
 
         def grad_only():  # waits for its output: the timed loop's sync only covers params and state
@@ -157,7 +158,7 @@ def probe_dispatch(cells):
             jax.block_until_ready(last[0])
 
         def opt_only():
-            nst[0], nst[1] = O(nst[0], fg0, nst[1], dev)
+            nst[0], nst[1], guard[0] = O(nst[0], fg0, nst[1], dev, loss0, guard[0])
 
         rows = [
             ("baseline fused step, numpy batch", base(xb)),
@@ -256,7 +257,10 @@ def probe_optflags(cells):
     flat = layout.ravel(params)
     tx = optax.adam(1e-3)
     progs, out = {}, {}
-    lowered = jax.jit(fn, donate_argnums=(0, 2)).lower(params, flat, state, dev)
+    # The optimizer program as the handle runs it: with the step's loss and the non-finite guard.
+    loss = jnp.zeros((), jnp.float32)
+    guard = _guard.fresh(_guard.n_parts(layout, n._model.split.trainable(params), dev))
+    lowered = jax.jit(fn, donate_argnums=(0, 2)).lower(params, flat, state, dev, loss, guard)
     for name, opts in OPT_FLAGS.items():
         if CFG["optflags"] is not None and name not in CFG["optflags"]:
             continue
@@ -286,7 +290,7 @@ def probe_optflags(cells):
         c, st = progs[k], states[k]
         if k != tree:
             def f():
-                st[0], st[1] = c(st[0], flat, st[1], dev)
+                st[0], st[1], _ = c(st[0], flat, st[1], dev, loss, guard)
         else:
             def f():
                 st[0], st[1] = c(st[0], grads_tree, st[1])
