@@ -20,6 +20,16 @@ class Reads(NamedTuple):
 _reads_memo = Memo("globals read by code objects")
 _GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 _ATTR_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
+# Loads of one local, and (3.13+) the superinstructions loading two, whose second is on top of the stack.
+_LOCAL_LOADS = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW"})
+_LOCAL_PAIR_LOADS = frozenset({"LOAD_FAST_LOAD_FAST", "LOAD_FAST_BORROW_LOAD_FAST_BORROW"})
+
+
+def _loads_local(ins, name) -> bool:
+    """`ins` leaves local `name` on top of the stack (so a following LOAD_ATTR reads `name.attr`)."""
+    if ins.opname in _LOCAL_LOADS:
+        return ins.argval == name
+    return ins.opname in _LOCAL_PAIR_LOADS and isinstance(ins.argval, tuple) and ins.argval[-1] == name
 
 
 def reads(code: types.CodeType) -> Reads:
@@ -35,7 +45,7 @@ def reads(code: types.CodeType) -> Reads:
         for ins in dis.get_instructions(c):
             if on_self and ins.opname in _ATTR_LOADS:
                 self_attrs[ins.argval] = None
-            on_self = c is code and first is not None and ins.opname == "LOAD_FAST" and ins.argval == first
+            on_self = c is code and first is not None and _loads_local(ins, first)
             if ins.opname in _GLOBAL_LOADS:
                 names[ins.argval] = None
                 previous = ins.argval
