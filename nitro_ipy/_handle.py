@@ -181,6 +181,8 @@ class Nitro:
             self._seed_step = lambda step: np.array([self.seed, step], np.uint32)
 
         self._programs: dict = {}  # key -> Entry: what this handle runs (kept even if poisoned)
+        self._progress = None  # the running train() call's `_progress.Progress`, read by the step loop
+        self._curve: list = []  # (epoch position, train loss) at sync points: the chart of the panel and `plot()`
         self._kinds_seen: dict = {}  # kind -> key of the first program of that kind
         self._loops_reported: set = set()
         self._checkpoints = options.get("checkpoints")
@@ -224,7 +226,7 @@ class Nitro:
         _runs.check_idle(self, "rebuild")
         carry = (self.params, self._model_state, self._opt_state, self.step, self.epoch)
         new = Nitro._carrying(self.experiment if e is None else e, self._options, carry)
-        new.__dict__["_curve"] = list(self.__dict__.get("_curve", ()))  # the loss chart goes on where it was
+        new._curve = list(self._curve)  # the loss chart goes on where it was
         return new
 
     def __repr__(self):
@@ -324,7 +326,7 @@ class Nitro:
     @in_mesh()  # here, not on `train`: a background run trains in its own thread
     def _train_epochs(self, control, split: dict, fields, steps: int, epochs: int) -> list[dict]:
         # This call's progress report (None with `progress=False`); the loop reads it from the handle.
-        progress = self.__dict__["_progress"] = _progress.start(self, epochs, steps, quiet=control.quiet)
+        progress = self._progress = _progress.start(self, epochs, steps, quiet=control.quiet)
         try:
             rows = self._epochs(control, split, fields, epochs, progress)
         except BaseException as err:
@@ -332,7 +334,7 @@ class Nitro:
                 progress.close(err)
             raise
         finally:
-            self.__dict__["_progress"] = None
+            self._progress = None
         if progress is not None:
             progress.close()
         return rows
@@ -381,7 +383,7 @@ class Nitro:
         """The loss chart of this handle's training: train loss at each sync point (per epoch when it
         trained with `progress=False`), validation loss per epoch, as the live panel draws it. Displays as
         SVG in a notebook and as a one-line summary elsewhere."""
-        curve = self.__dict__.get("_curve") or [(r["epoch"], r["loss"]) for r in self.history]
+        curve = self._curve or [(r["epoch"], r["loss"]) for r in self.history]
         valid = [(float(r["epoch"]), r["valid_loss"]) for r in self.history if "valid_loss" in r]
         return _html.LossChart(curve, valid)
 

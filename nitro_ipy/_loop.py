@@ -102,7 +102,7 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
             n.step += 1
             losses.append(loss)
             gate.defer = False
-            bar = n.__dict__.get("_progress")  # this train() call's `_progress.Progress`, or None
+            bar = n._progress  # this train() call's `_progress.Progress`, or None
             if bar is not None:  # it draws on process 0 only (`_progress.start`)
                 bar.begin_epoch()
             grad_call, opt_call, seed_step = grad.call, opt.call, n._seed_step

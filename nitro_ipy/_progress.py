@@ -62,7 +62,7 @@ class Progress:
         self.epoch, self.done, self.loss, self.rate = 0, 0, float("nan"), 0.0
         self.first_epoch = n.epoch  # epochs the handle had trained before this call (the chart's origin)
         # The handle keeps its curve across calls (what `Nitro.plot()` draws); this call appends to it.
-        self.train_points: list = n.__dict__.setdefault("_curve", [])
+        self.train_points: list = n._curve
         self.valid_points: list = []
         self.records: list = []
         self.status = "running"
