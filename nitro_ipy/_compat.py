@@ -5,8 +5,10 @@ Each function degrades (returns None / False / an empty answer) rather than rais
 is missing, and says in its docstring what the caller falls back to.
 """
 
+import contextlib
 import functools
 import re
+import threading
 import weakref
 
 import jax
@@ -258,3 +260,58 @@ def enable_jax_compilation_cache(path: str, max_bytes: int = -1) -> bool:
         except Exception:
             pass
     return True
+
+
+# XLA:CPU cannot serialize an executable that was itself deserialized: the copy loads, then fails on its
+# first run with `NOT_FOUND: Function <fusion> not found`. JAX's persistent cache (on for setup's eager
+# operations, `enable_jax_compilation_cache`) hands out deserialized executables, so a program of ours
+# compiled through it must not be written to our store, and should not be written to JAX's cache either
+# (the store holds it, and a later compile of the same HLO would be served the unstorable copy).
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_served = threading.local()
+
+
+def _on_jax_event(event: str, **kwargs) -> None:
+    if event == _CACHE_HIT_EVENT and getattr(_served, "watching", False):
+        _served.hit = True
+
+
+@functools.cache
+def _listen_for_cache_hits() -> bool:
+    try:
+        from jax import monitoring
+
+        monitoring.register_event_listener(_on_jax_event)
+        return True
+    except Exception:
+        return False
+
+
+@contextlib.contextmanager
+def own_compile(write_jax_cache: bool):
+    """Compile one of our programs: yields a dict whose `"from_jax_cache"` is True afterwards when JAX's
+    persistent cache served the executable (the caller must not serialize it: see above). Unless
+    `write_jax_cache`, the compile is kept out of JAX's cache (a thread-local minimum compile time);
+    a program our store cannot hold passes True, so it still skips XLA after a restart."""
+    out = {"from_jax_cache": False}
+    _listen_for_cache_hits()
+    _served.watching, _served.hit = True, False
+    try:
+        if write_jax_cache:
+            yield out
+        else:
+            with _no_jax_cache_writes():
+                yield out
+    finally:
+        out["from_jax_cache"] = _served.hit
+        _served.watching = _served.hit = False
+
+
+def _no_jax_cache_writes():
+    """A context under which JAX writes nothing to its persistent cache (this thread only)."""
+    try:
+        from jax._src import config
+
+        return config.persistent_cache_min_compile_time_secs(float("inf"))
+    except Exception:  # an older JAX: our programs are written there too (only disk space)
+        return contextlib.nullcontext()

@@ -19,6 +19,7 @@ from ._compat import (
     OPTIMIZATION_LEVEL_OPTION,
     YNN_FUSION_OPTION,
     jaxpr_eqns,
+    own_compile,
     unknown_compile_option,
 )
 from ._explain import explain_miss
@@ -161,8 +162,12 @@ def _build(key, fn, args, donate_argnums, info, record, compiler_options, source
     if unstorable is not None:
         _store.fallback(key, unstorable)
     t1 = time.perf_counter()
-    compiled, used = xla_compile(lowered, program_options(traced.jaxpr, compiler_options))
+    # A program the store holds stays out of JAX's cache; one JAX's cache serves cannot be stored.
+    with own_compile(write_jax_cache=not on or unstorable is not None) as served:
+        compiled, used = xla_compile(lowered, program_options(traced.jaxpr, compiler_options))
     t2 = time.perf_counter()
+    if served["from_jax_cache"] and unstorable is None:
+        unstorable = "JAX's persistent cache served it, and a loaded executable does not serialize again"
     if holds_user_instances(args):
         compiled = Retreed(compiled)  # callable with a re-run model cell's instances (`_carry`)
     return _cache.Entry(

@@ -128,6 +128,37 @@ def test_enable_jax_compilation_cache_points_jax_at_a_directory_and_leaves_a_use
         compilation_cache.reset_cache()
 
 
+def test_own_compile_keeps_out_of_jax_cache_and_tells_a_served_executable(tmp_path):
+    from jax._src import compilation_cache
+
+    from nitro_ipy._compat import enable_jax_compilation_cache, own_compile
+
+    def lowered(k):
+        return jax.jit(lambda x: jnp.sin(x) * k).lower(jnp.ones(7))
+
+    try:
+        enable_jax_compilation_cache(str(tmp_path))
+        with own_compile(write_jax_cache=False) as served:
+            lowered(3.0).compile()
+        assert served == {"from_jax_cache": False}
+        assert list(tmp_path.iterdir()) == []  # not written
+        with own_compile(write_jax_cache=True) as served:
+            lowered(5.0).compile()
+        assert served == {"from_jax_cache": False} and len(list(tmp_path.iterdir())) == 1
+        with own_compile(write_jax_cache=False) as served:
+            out = lowered(5.0).compile()
+        assert served == {"from_jax_cache": True}  # the same HLO: JAX's cache served it
+        assert float(out(jnp.ones(7))[0]) == pytest.approx(5 * np.sin(1.0))
+        lowered(5.0).compile()  # outside `own_compile`, a hit is no one's business
+        with own_compile(write_jax_cache=False) as served:
+            pass
+        assert served == {"from_jax_cache": False}
+    finally:
+        jax.config.update("jax_compilation_cache_dir", None)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        compilation_cache.reset_cache()
+
+
 def test_concrete_arrays_are_told_from_tracers():
     seen = []
 

@@ -251,6 +251,42 @@ def test_a_program_with_a_host_callback_goes_through_jax_cache(store, messages):
     assert len(_files(store)) == 1  # the optimizer program only
 
 
+def test_our_programs_stay_out_of_jax_cache(store):
+    _train()
+    assert len(_files(store)) == 3
+    # JAX's cache (on for setup's eager operations) holds none of the three: the store holds them
+    assert _jax_cache_programs(store) == []
+
+
+def _jax_cache_programs(store):
+    """The names of our programs (`jit_gradient`, `jit_update`, `jit_evaluate`) in JAX's cache."""
+    names = ("jit_gradient-", "jit_update-", "jit_evaluate-")
+    return sorted(p.name.split("-")[0] for p in (store / "xla").glob("*-cache") if p.name.startswith(names))
+
+
+def test_a_program_served_by_jax_cache_is_not_stored_and_a_reload_still_runs(store, monkeypatch, messages):
+    # XLA:CPU cannot serialize a deserialized executable (it fails on its first run after loading). An
+    # earlier version wrote our programs to JAX's cache too; one found there must not reach our store.
+    import contextlib
+
+    from nitro_ipy import _compat
+
+    with monkeypatch.context() as m:
+        m.setattr(_compat, "_no_jax_cache_writes", contextlib.nullcontext)
+        first = _train()
+    assert _jax_cache_programs(store) == ["jit_evaluate", "jit_gradient", "jit_update"]
+    for path in _files(store):
+        path.unlink()  # what a changed key (or an eviction) leaves: JAX's cache has the HLO, we do not
+    nitro_ipy.cache_reset()
+    second = _train()
+    assert _files(store) == []  # all three came out of JAX's cache: not re-serialized
+    nitro_ipy.cache_reset()
+    messages.clear()
+    third = _train()  # compiled through JAX's cache again; before the fix: NOT_FOUND: Function ... fusion
+    assert not any("from disk" in t for t in _compiles(messages))
+    assert first.history == second.history == third.history
+
+
 def test_reset_disk_magic_clears_and_stats_show_the_store(store):
     from IPython.core.interactiveshell import InteractiveShell
 
