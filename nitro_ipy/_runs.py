@@ -150,6 +150,12 @@ class Run:
             self.error = err
         finally:
             unsubscribe()
+            # The handle forgets its ended run and the run its work (a closure over the handle): a run
+            # and its handle hold each other no longer, so dropping both frees the handle's programs
+            # at once, not at the next garbage collection (until which a scan would still judge them).
+            if self.handle._run is self:
+                self.handle._run = None
+            self._work = None
             self.ended = time.time()
             self._done.set()
             _cache.publish("run", self)

@@ -4,12 +4,14 @@ step (a schedule runs on the worker, just before that step is dispatched), so no
 """
 
 import dataclasses
+import gc
 import os
 import signal
 import subprocess
 import sys
 import threading
 import textwrap
+import weakref
 from pathlib import Path
 
 import jax
@@ -243,6 +245,29 @@ def test_a_background_run_is_pinned_to_its_code():
     finally:
         _pin_helper = old
     assert all(np.array_equal(a, b) for a, b in zip(_leaves(n), _leaves(ref)))
+
+
+def test_a_finished_run_and_its_handle_are_freed_without_a_garbage_collection():
+    """Dropping a handle that trained in the background frees it (and so its programs) at once, as for a
+    foreground one: the run and the handle do not hold each other in a cycle only `gc` would break.
+    Else, after `cache_reset()`, the next scan still judged those programs, poisoning them under a new
+    cache's counts (what made test_honest fail after this file)."""
+    freed = {}
+    gc.disable()
+    try:
+        for background in (False, True):
+            n = _handle(max_epochs=1)
+            run = n.train(background=background)
+            if background:
+                assert run.wait() == n.history
+            entry = weakref.ref(next(iter(n._programs.values())))
+            handle = weakref.ref(n)
+            del n, run
+            nitro_ipy.cache_reset()  # the cache lets its entries go: only a live handle still holds one
+            freed[background] = (handle() is None, entry() is None)
+    finally:
+        gc.enable()
+    assert freed == {False: (True, True), True: (True, True)}
 
 
 # ---------------------------------------------------------------- Ctrl-C in the foreground
