@@ -5,6 +5,8 @@ One module so every check is found (and extended) in one place: `_binding` calls
 `_programs`' builders the trace-time ones, the handle and the loop the rest.
 """
 
+import inspect
+
 import numpy as np
 
 from ._errors import NitroTypeError, NitroValueError
@@ -99,8 +101,6 @@ def check_optimizer(cls, tx) -> None:
 def check_positional_not_a_field(cls, fn, hook_name: str, slot: str, splits: dict) -> None:
     """`forward(self, x)`: the slot after `self` receives `params` (or `outputs` for `loss`); a batch
     field's name there means the field was meant, and would never be sent."""
-    import inspect
-
     positional = [p for p in inspect.signature(fn).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(positional) < 2:

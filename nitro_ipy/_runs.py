@@ -24,6 +24,7 @@ widgets from it. `run.wait()` shows the ones not shown yet, in the calling cell.
 import atexit
 import copy
 import dataclasses
+import html
 import threading
 import time
 import weakref
@@ -454,7 +455,7 @@ class History(list):
         """The rows as a table: a pandas `DataFrame` when pandas is importable, else a `HistoryTable`
         (plain text in a terminal, HTML in a notebook)."""
         try:
-            import pandas
+            import pandas  # optional, and heavy: only when a table is asked for
         except ImportError:
             return HistoryTable(list(self))
         return pandas.DataFrame(list(self))
@@ -480,8 +481,6 @@ class HistoryTable:
         return "\n".join([line(self.columns)] + [line(r) for r in cells])
 
     def _repr_html_(self):
-        import html
-
         head = "".join(f"<th style='text-align:left'>{html.escape(c)}</th>" for c in self.columns)
         body = "".join(
             "<tr>" + "".join(f"<td style='text-align:left'>{html.escape(v)}</td>" for v in r) + "</tr>"
