@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from . import _cache, _report
+from ._checks import numeric_array
 from ._errors import HandleBusyError, NitroTypeError, NitroValueError
 from ._fields import field_kinds, short_repr
 from ._loop import InterruptGate
@@ -358,11 +359,8 @@ def set_fields(handle, values: dict) -> None:
 
 def _coerce(b, name: str, value) -> np.ndarray:
     want = b.device_host[name]
-    try:
-        arr = np.asarray(value)
-    except Exception:
-        arr = None
-    if arr is None or arr.dtype.kind not in "biufc":
+    arr = numeric_array(value)
+    if arr is None:
         raise NitroTypeError(
             f"Device field `{name}` holds a {want.dtype} array of shape {want.shape}; got "
             f"{type(value).__qualname__} ({short_repr(value)})."
