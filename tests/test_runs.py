@@ -17,20 +17,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import nitro_ipy
-from nitro_ipy import Device, GraphConst, Nitro
+from nitro_ipy import Device, Nitro
+
+from _experiments import Reg, data as _data  # the tiny regression most tests train, and its data
 
 ROOT = Path(__file__).resolve().parents[1]
 INTERRUPTED = "training interrupted at epoch {}, step {}/{}; the handle is usable"
-
-
-def _data(n, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 4)).astype(np.float32)
-    return {"x": x, "y": np.sin(x.sum(1)).astype(np.float32)}
 
 
 def _pin_helper(r):
@@ -38,26 +33,15 @@ def _pin_helper(r):
 
 
 @dataclasses.dataclass
-class Knob:
-    """A tiny regression with a spare Device field, `knob`, whose schedule steers the worker thread."""
+class Knob(Reg):
+    """The tiny regression with a spare Device field, `knob`, whose schedule steers the worker thread, and
+    a loss through a helper of this module (`_pin_helper`, the one a test edits)."""
 
-    hidden: GraphConst[int] = 8
-    lr: Device[float] = 1e-2
     knob: Device[float] = 0.0
     notes: str = ""
 
-    def init(self, rng):
-        k1, k2 = jax.random.split(rng)
-        return {"w1": jax.random.normal(k1, (4, self.hidden)) * 0.5, "w2": jax.random.normal(k2, (self.hidden,)) * 0.5}
-
-    def forward(self, params, *, x):
-        return jnp.tanh(x @ params["w1"]) @ params["w2"]
-
     def loss(self, outputs, *, y):
         return jnp.mean(_pin_helper(outputs - y))
-
-    def optimizer(self):
-        return optax.adam(self.lr)
 
 
 DATA = {"train": _data(160), "valid": _data(40, 1)}  # 10 steps per epoch at batch_size=16
