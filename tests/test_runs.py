@@ -445,8 +445,11 @@ def test_ctrl_c_in_an_ipython_shell_prints_one_line(capsys):
 
     ip = InteractiveShell.instance()
     ip.user_ns.update(_handle=_handle, os=os, signal=signal)
-    result = ip.run_cell("n = _handle(lambda s: (os.kill(os.getpid(), signal.SIGINT) or 0.0) if s == 4 else 0.0)\nn.train()\n")
-    assert isinstance(result.error_in_exec, nitro_ipy.TrainingInterrupted)
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert [line for line in lines if not line.startswith("nitro_ipy: compiled")] == [INTERRUPTED.format(1, 5, 10)]
-    assert ip.user_ns["n"].step == 5
+    try:
+        result = ip.run_cell("n = _handle(lambda s: (os.kill(os.getpid(), signal.SIGINT) or 0.0) if s == 4 else 0.0)\nn.train()\n")
+        assert isinstance(result.error_in_exec, nitro_ipy.TrainingInterrupted)
+        lines = capsys.readouterr().out.strip().splitlines()
+        assert [line for line in lines if not line.startswith("nitro_ipy: compiled")] == [INTERRUPTED.format(1, 5, 10)]
+        assert ip.user_ns["n"].step == 5
+    finally:
+        ip.reset(new_session=False)  # the process's one shell: its `n` must not outlive this test
