@@ -11,7 +11,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from _browser import CHROMIUM, CHROMIUM_ARGS, NOTEBOOK, ROOT, WIDTH, chromium_available, computed, contrasts
