@@ -1,7 +1,9 @@
 """The quickstart in a real JupyterLab 4 in Debian's Chromium (playwright), as a person runs it: both
-messages visibly styled, the panel's figures and chart, the Rebuild click and what it says, a background run stopped from the panel's Stop button, then a save,
-a page reload (kernel alive) and a reopen on a fresh kernel in the dark theme with zero widget errors and
-zero JS console errors. Screenshots go to a temp dir (`tools/screenshots.py` keeps some for the docs).
+messages visibly styled, the panel's figures and chart, the Rebuild click and what it says, a background
+run stopped from the panel's Stop button, a second edit whose Rebuild button is left unclicked (a live
+widget until the next cell ends it as its line), the live notebook switched to the dark theme (every nitro
+box's text contrast >= 4.5), then a save, a page reload (kernel alive) and a reopen on a fresh kernel in
+the dark theme with zero widget errors and zero JS console errors. Screenshots go to a temp dir (`tools/screenshots.py` keeps some for the docs).
 
 Costs ~60-90 s (one JupyterLab, one Chromium, the notebook's compiles). Skipped only when Chromium is
 missing outside CI; under `CI=true` it always runs (`.ci/run` installs Chromium).
