@@ -272,6 +272,26 @@ def test_bad_input_is_refused_at_setup(tmp_path):
     ]
 
 
+def test_loops_stay_a_few_steps_ahead_of_a_cpu_mesh(tmp_path):
+    """XLA:CPU deadlocks when a few dozen launches of programs with collectives queue on its devices
+    (a plain sharded `jax.jit` loop too): on a CPU mesh of several devices the step and evaluation
+    loops wait for the step `CPU_STEPS_AHEAD` back; one device and accelerators are not bounded."""
+    out = in_child(tmp_path, """
+    from nitro_ipy import _sharding
+    n = Nitro(exp.Regression(), data=exp.data(), batch_size=32, progress=False, mesh=mesh)
+    one = Nitro(exp.Regression(), data=exp.data(), batch_size=32, progress=False)
+    double = jax.jit(lambda a: a * 2, out_shardings=n._place.replicated)
+    results = [double(jax.numpy.ones(4))]
+    for _ in range(6):
+        results.append(double(results[-1]))
+    _sharding.pace(results, 2)
+    print(json.dumps({"ahead": n._place.ahead, "one": one._place.ahead,
+                      "one_device_mesh": _sharding.steps_ahead(Mesh(np.array(jax.devices()[:1]), ("data",))),
+                      "ready": results[-3].is_ready(), "rows": len(n.train())}))
+    """)
+    assert out == {"ahead": _sharding.CPU_STEPS_AHEAD, "one": 0, "one_device_mesh": 0, "ready": True, "rows": 1}
+
+
 def test_param_sharding_without_a_mesh_is_refused():
     with pytest.raises(NitroValueError, match=r"`param_sharding=` needs a mesh to shard over"):
         _sharding.placement(None, "data", lambda p, s: None)
