@@ -32,6 +32,15 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
+def wait_for_all(name: str) -> None:
+    """Under `jax.distributed`, return once every process got here (`name` tells the barrier apart);
+    at once in a single-process run. After process 0 wrote a file, so the others may read it."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
 def sharding_signature(sharding) -> str | None:
     """What a leaf's placement contributes to a program key: None on one device (the default placement),
     else the sharding and the ids of the devices it spans, in mesh order (two meshes of the same shape on
@@ -382,7 +391,9 @@ class Sharded:
         from jax.experimental import multihost_utils
 
         def get(leaf):
-            if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable and not leaf.is_fully_replicated:
+            if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+                if leaf.is_fully_replicated:  # every process holds it whole: its own copy, no collective
+                    return np.asarray(leaf.addressable_data(0))
                 return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
             return np.asarray(leaf)
 
