@@ -130,15 +130,15 @@ def check_fits(cls, init, experiment, seed: int, params, has_state: bool = False
     `has_state`, `init` returns `(params, state)`.
     """
     out = jax.eval_shape(lambda: _arrays_only(init(experiment, jax.random.PRNGKey(seed))))
-    pairs = [("params", out[0] if has_state else out, params)]
+    pairs = [("params", "parameters", out[0] if has_state else out, params)]
     if has_state:
-        pairs.append(("state", out[1], state))
+        pairs.append(("state", "model state", out[1], state))
     lines = []
-    for root, want, have in pairs:
+    for root, name, want, have in pairs:
         want, have = _leaves(want), _leaves(have)
         for path in sorted(want.keys() | have.keys()):
             if path not in have:
-                lines.append(f"  {root}{path}: new in `init` {_sig(want[path])}, not in the carried {root}")
+                lines.append(f"  {root}{path}: new in `init` {_sig(want[path])}, not in the carried {name}")
             elif path not in want:
                 lines.append(f"  {root}{path}: carried {_sig(have[path])}, no longer in `init`")
             elif want[path] != have[path]:
