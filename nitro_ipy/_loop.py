@@ -107,6 +107,7 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
                 bar.begin_epoch()
             grad_call, opt_call, seed_step = grad.call, opt.call, n._seed_step
             append, perf_counter = losses.append, time.perf_counter
+            ahead = place.ahead  # 0, or how many steps this loop may run ahead of a CPU mesh (`_sharding.pace`)
             next_sync = perf_counter() + _SYNC_SECONDS
             for batch in batches:
                 if gate.pending:
@@ -126,6 +127,8 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
                 n.step += 1
                 gate.defer = False
                 append(loss)
+                if ahead and len(losses) > ahead:
+                    losses[-ahead - 1].block_until_ready()
                 if perf_counter() > next_sync:
                     total, n_loss = check_losses(n, losses, total, n_loss, bar, step0, split, fields)
                     losses.clear()

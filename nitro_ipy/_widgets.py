@@ -15,6 +15,7 @@ Everything here runs on the kernel's main thread; a call from any other thread d
 touches a display or a widget.
 """
 
+import re
 import threading
 import time
 import weakref
@@ -46,6 +47,8 @@ _REFRESH_ON = frozenset({Kind.COMPILE, Kind.EPOCH, Kind.RECOMPILE_LOOP, Kind.STA
 
 REBUILD = "Rebuild handle"
 STOP = "Stop"
+RETIRED_NO_NAME = "no longer needed: no name holds that handle any more (it was rebuilt or dropped)"
+RETIRED_MOVED_ON = "not clicked before the next cell ran; to use the current code: `{name} = {name}.rebuild()`"
 _PREFIXES = ("nitro_ipy: ", "! ")
 
 
@@ -97,7 +100,7 @@ def message_output(msg: _report.Message) -> Rich:
 def _kernel_loop():
     """The kernel's event loop (tornado's, whose `add_callback` is thread-safe), or None."""
     try:
-        from ipykernel.kernelbase import Kernel
+        from ipykernel.kernelbase import Kernel  # lazily: IPython in a terminal runs without ipykernel
 
         return Kernel.instance().io_loop if Kernel.initialized() else None
     except Exception:  # noqa: BLE001 - no kernel, or one without an io_loop: no scheduling
@@ -115,8 +118,6 @@ def rebind_names(user_ns: dict, obj) -> list[str]:
 
     **Returns:** the names, in the namespace's order.
     """
-    import re
-
     history = re.compile(r"_+|_\d+|_i\d*|_ii+")  # IPython's own names for recent outputs
     return [k for k, v in list(user_ns.items()) if v is obj and not history.fullmatch(k)]
 
@@ -320,13 +321,30 @@ class RichSink:
             except Exception as err:  # noqa: BLE001 - the panel is a nicety, the message was shown
                 print(f"nitro_ipy: the panel failed to update ({type(err).__name__}: {err})")
 
-    def retire(self) -> None:
+    def retire(self, moved_on: bool = False) -> None:
         """After each cell: a Rebuild button whose handle no name holds any more (rebuilt by hand, or
-        dropped) becomes a line saying so, so the saved notebook keeps no widget it does not need."""
+        dropped) becomes a line saying so. Before each cell (`moved_on`): every button still shown ends as
+        the line saying how to rebuild by hand.
+
+        A button can act only between cells (a kernel runs no comm message during a cell), and it can
+        only be seen as a widget while its kernel holds its model: a notebook reopened on a fresh kernel
+        shows "Error displaying widget: model not found" for every widget view it saved (JupyterLab never
+        falls back to an output's other mime types, and saves no widget state unless "Save Widget State
+        Automatically" is on). So a button lives until the next cell runs, and the saved notebook holds
+        its HTML outcome, unless it is saved with that button the latest thing shown."""
         for button in self.buttons:
-            if button.state == "ready" and not button.names():
-                button.retire("no longer needed: no name holds that handle any more (it was rebuilt or dropped)")
+            if button.state != "ready":
+                continue
+            names = button.names()
+            if not names:
+                button.retire(RETIRED_NO_NAME)
+            elif moved_on:
+                button.retire(RETIRED_MOVED_ON.format(name=names[0]))
         self.buttons = [b for b in self.buttons if b.state == "ready"]
+
+    def close(self) -> None:
+        """The extension is unloaded: every button still shown ends as its HTML line."""
+        self.retire(moved_on=True)
 
 
 # ------------------------------------------------------------------------------------------------ panel

@@ -13,9 +13,13 @@ into a call, about three times faster than a tuple subclass.
 
 from __future__ import annotations
 
+import types
+import weakref
 from typing import NamedTuple
 
-from ._records import MISSING
+from .._memo import Memo
+
+from ._records import MISSING, class_attr_key, function_key, namespace_key, value_key
 from ._resolve import live_namespace, lookup, resolve_function, static_attr
 from ._snapshot import PlainFunction, SameObject, fast_form, matches
 from ._values import attr_fingerprint, value_fingerprint
@@ -66,6 +70,29 @@ class Check(NamedTuple):
     name: str
 
 
+def function_check(dep, ns: dict) -> Check:
+    """The check that `dep` (a `FuncDep`) still resolves, in namespace `ns`, to code of its fingerprint."""
+    key = function_key(dep.module, ns, dep.qualname)
+    target = FunctionTarget(namespace_key(dep.module, ns), dep.module, ns, key, dep.qualname, dep.fingerprint)
+    return Check((*key, dep.fingerprint), check_function, target, dep.qualified)
+
+
+def value_check(dep, ns: dict, snap) -> Check:
+    """The check that global `dep` (a `ValueDep`) is still bound to a value of its fingerprint; `snap` is
+    its identity snapshot at record time (None when there is none, as for a closure loaded from disk)."""
+    key = value_key(dep.module, ns, dep.name)
+    target = ValueTarget(namespace_key(dep.module, ns), dep.module, ns, key, dep.name, dep.fingerprint, snap)
+    return Check((*key, dep.fingerprint), check_value, target, dep.qualified)
+
+
+def class_attr_check(dep, ns: dict, snap) -> Check:
+    """The check that class attribute `dep` (a `ClassAttrDep`) still has its fingerprint; `snap` as above."""
+    key = class_attr_key(dep.module, ns, dep.cls_qualname, dep.name)
+    target = AttrTarget(namespace_key(dep.module, ns), dep.module, ns, key, dep.cls_qualname, dep.name,
+                        dep.fingerprint, snap)
+    return Check((*key, dep.fingerprint), check_class_attr, target, dep.qualified)
+
+
 class Live:
     """A value as it is now; its fingerprint is computed at most once per scan, and only when needed."""
 
@@ -83,10 +110,50 @@ class Live:
         return self._fp == expected
 
 
+# A method (`Class.method`) resolved in full, and the objects that resolution went through, by the
+# function's memo key: `(class ref, function ref, code ref, fingerprints)`. While the live namespace
+# still binds the very class, whose own `__dict__` still holds the very plain function, with the
+# very code object, the method resolves to the same fingerprints: an identity test instead of a lookup
+# along the MRO, the unwrapping and the fingerprinting (what every post-cell scan would otherwise pay).
+_methods_seen = Memo("methods resolved by identity")
+
+
+def _method_by_identity(ns: dict, key: tuple, qualname: str):
+    """The fingerprints of `qualname` (`Class.method`) in `ns` if its objects are the ones last resolved."""
+    seen = _methods_seen.get(key) if "." in qualname else None
+    if seen is None:
+        return None
+    cls_ref, fn_ref, code_ref, live = seen
+    head, _, name = qualname.partition(".")
+    cls = cls_ref()
+    if cls is None or ns.get(head) is not cls:
+        return None
+    fn = cls.__dict__.get(name)
+    if fn is None or fn is not fn_ref() or fn.__code__ is not code_ref() or "__wrapped__" in fn.__dict__:
+        return None
+    return live
+
+
+def _remember_method(ns: dict, key: tuple, qualname: str, live) -> None:
+    head, _, name = qualname.partition(".")
+    if not name or "." in name or live is None:
+        return
+    cls = ns.get(head)
+    fn = cls.__dict__.get(name) if isinstance(cls, type) else None
+    if type(fn) is not types.FunctionType or "__wrapped__" in fn.__dict__:
+        return  # a wrapper, a descriptor, an inherited method: resolved in full every time
+    _methods_seen[key] = (weakref.ref(cls), weakref.ref(fn), weakref.ref(fn.__code__), live)
+
+
 def check_function(nskey, module, ns, key, qualname, expected, memo) -> bool:
     live = memo.get(key, MISSING)
     if live is MISSING:
-        live = memo[key] = resolve_function(live_namespace(module, ns, memo, nskey), qualname)
+        live_ns = live_namespace(module, ns, memo, nskey)
+        live = _method_by_identity(live_ns, key, qualname)
+        if live is None:
+            live = resolve_function(live_ns, qualname)
+            _remember_method(live_ns, key, qualname, live)
+        memo[key] = live
     return live is not None and expected in live
 
 
