@@ -137,12 +137,12 @@ class Nitro:
 
         if carry is not None:
             params, state, opt_state, self.step, self.epoch = carry
-            if opt_state is not None:  # a rebuild: one transfer for every buffer, no per-shape copy
-                # programs; the old handle keeps its own
-                params, state, opt_state = jax.device_put((params, state, opt_state), may_alias=False)
+            if opt_state is not None:  # a rebuild: the new handle's own buffers (the old one keeps its
+                # own), one transfer for all; static leaves (an Equinox model's functions, floats) stay static
+                params, state, opt_state = _carry.copy_arrays((params, state, opt_state))
             # User classes in the training state (an Equinox model) re-bound to the live code, values kept.
             params, state, opt_state = _carry.live_value(params), _carry.live_value(state), _carry.live_value(opt_state)
-            _carry.check_fits(b.cls, b.init, b.experiment, self.seed, params, b.has_state)
+            _carry.check_fits(b.cls, b.init, b.experiment, self.seed, params, b.has_state, state)
         elif given is not None:
             params, state = check_given(b, jax.random.PRNGKey(self.seed), *given)
             opt_state, self.step, self.epoch = None, 0, 0

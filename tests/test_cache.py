@@ -319,6 +319,18 @@ def test_one_wide_multiply_anywhere_keeps_ynnpack():
     assert _compile.program_options(_jaxpr(lambda x: jnp.tanh(x) * 2.0, (256, 256))) == {}  # no multiply
 
 
+def test_a_program_with_a_convolution_compiles_with_the_classic_emitters_and_keeps_ynnpack():
+    conv = lambda x, k: jax.lax.conv_general_dilated(x, k, (1, 1), "SAME")
+    classic = {"xla_cpu_use_fusion_emitters": False}
+    assert _compile.program_options(_jaxpr(conv, (8, 1, 8, 8), (4, 1, 3, 3))) == classic
+    # narrow multiplies beside it do not turn YNNPACK off: it runs the convolution too
+    head = lambda x, k, w: conv(x, k).reshape((8, -1)) @ w
+    assert _compile.program_options(_jaxpr(head, (8, 1, 8, 8), (4, 1, 3, 3), (256, 10))) == classic
+    assert _compile.program_options(_jaxpr(jax.grad(lambda k, x: conv(x, k).sum()), (4, 1, 3, 3), (8, 1, 8, 8))) == classic
+    mine = {"xla_cpu_use_fusion_emitters": True}
+    assert _compile.program_options(_jaxpr(conv, (8, 1, 8, 8), (4, 1, 3, 3)), mine) == mine  # explicit wins
+
+
 def test_handle_programs_record_the_options_they_were_compiled_with():
     n = _train(Reg())
     grad, opt = _entries("grad")[0], _entries("opt")[0]
