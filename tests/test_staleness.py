@@ -64,6 +64,11 @@ def ip(tmp_path):
         if name not in saved:
             del shell.user_ns[name]
     shell.run_line_magic("unload_ext", "nitro_ipy")
+    shell.reset(new_session=False)  # also the output history (`Out`, `_`), which holds displayed handles
+    # and the last error's traceback, whose frames hold the handles of the cell that raised
+    for holder, name in ((shell.InteractiveTB, "tb"), (sys, "last_traceback"), (sys, "last_value"), (sys, "last_exc")):
+        if getattr(holder, name, None) is not None:
+            setattr(holder, name, None)
 
 
 def run(ip, capsys, source: str) -> str:
