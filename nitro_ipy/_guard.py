@@ -1,10 +1,10 @@
 """Non-finite steps never reach the parameters.
 
 The optimizer program checks, on device, the step's loss, each gradient buffer and each floating Device
-field (`parts`), and when any is non-finite applies nothing: the updates become zeros (`masked_updates`,
-a select per flat buffer) and the optimizer state stays the old one (`select`), inside the program that
-donates them. A small `guard` (one int32 vector, so a step
-dispatches one more buffer, not four) is carried from step to step through the same program:
+field (`parts`), and when any is non-finite applies nothing: the whole update is one `lax.cond` (`gated`)
+whose other branch hands back the parameters and optimizer state it was given, inside the program that
+donates them. A small `guard` (one int32 vector, so a step dispatches one more buffer, not four) is
+carried from step to step through the same program:
 
 - `guard[STEPS]`: steps seen since the guard was made (the epoch's start);
 - `guard[BAD]`: how many of them were not applied;
@@ -86,16 +86,30 @@ def decide(guard, checked: list, halt: bool):
     return apply, jnp.concatenate([head, why])
 
 
-def masked_updates(apply, updates):
-    """`updates` where `apply`, else zeros: a step not applied adds nothing, exactly. Selecting the
-    updates (one select per flat buffer) rather than the parameters (one per array) keeps the optimizer
-    program as small as it was: XLA compiles it once per session, and a 242-array model has 242 arrays."""
-    return jax.tree.map(lambda u: jnp.where(apply, u, jnp.zeros_like(u)), updates)
+def gated(apply, step, params, flat_grads, opt_state, dev):
+    """`step(params, flat_grads, opt_state, dev)` -> `(params, opt_state)` where `apply`, else
+    `(params, opt_state)` as they came in, exactly. Traced inside the optimizer program.
+
+    One `lax.cond` around the whole update: XLA:CPU runs the branch taken, and the update's arrays are
+    compiled as they are without the guard (selecting the updates instead put a select into each
+    parameter's slice of the flat buffer: +25% XLA time at 242 arrays, measured in
+    benchmarks/profile_handle.py `guard`). An optimizer whose state changes structure, shape or dtype
+    (one that grows it, which recompiles anyway) cannot be a branch of the same type as its input: its
+    updates are masked to zeros (one select per flat buffer) and its new state taken as it is.
+    """
+    keep = lambda params, flat_grads, opt_state, dev: (params, opt_state)
+    try:
+        return jax.lax.cond(apply, step, keep, params, flat_grads, opt_state, dev)
+    except TypeError:  # the branches' types differ: the state moved
+        pass
+    new_params, new_state = step(params, flat_grads, opt_state, dev)
+    new_params = jax.tree.map(lambda n, o: jnp.where(apply, n, o), new_params, params)
+    return new_params, select(apply, new_state, opt_state)
 
 
 def select(apply, new, old):
-    """`new` where `apply`, else `old`, leaf by leaf; a state whose structure or shapes moved (an
-    optimizer that grows its state, which recompiles anyway) cannot go back and is taken as it is."""
+    """`new` where `apply`, else `old`, leaf by leaf; a state whose structure or shapes moved cannot go
+    back and is taken as it is."""
     same = jax.tree.structure(new) == jax.tree.structure(old) and all(
         jnp.shape(a) == jnp.shape(b) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old)))
     if not same:

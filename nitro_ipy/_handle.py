@@ -181,6 +181,7 @@ class Nitro:
             self._seed_step = lambda step: np.array([self.seed, step], np.uint32)
 
         self._programs: dict = {}  # key -> Entry: what this handle runs (kept even if poisoned)
+        self._guard_parts = None  # values a step's guard checks (`_loop.guard_parts`), once known
         self._progress = None  # the running train() call's `_progress.Progress`, read by the step loop
         self._curve: list = []  # (epoch position, train loss) at sync points: the chart of the panel and `plot()`
         self._kinds_seen: dict = {}  # kind -> key of the first program of that kind
