@@ -320,7 +320,7 @@ def report(res):
     log("1. steady-state epoch: ratio = median over rounds of nitro epoch / adjacent baseline epoch")
     log(f"   {'model':<33}{'baseline':>11}{'nitro':>11}{'ratio':>7}{'target':>8}  {'range':<10}"
         f"{'med/med':>8}{'min/min':>8}")
-    for label, r, tgt in (("tiny MLP", t, TARGETS["tiny_epoch"]), ("1x32 MLP, progress", res["issue"],
+    for label, r, tgt in (("tiny MLP", t, TARGETS["tiny_epoch"]), ("1x32 MLP, bar", res["issue"],
                           TARGETS["issue_epoch"]), ("120-layer MLP", d, TARGETS["deep_epoch"])):
         cfg = r["config"]
         desc = f"{label} ({cfg['arrays']} arrays, {cfg['steps_per_epoch']} st)"
