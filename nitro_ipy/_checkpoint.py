@@ -29,6 +29,7 @@ from ._errors import NitroValueError
 from ._fields import short_repr
 from ._fingerprint import Unfingerprintable, fingerprint
 from ._report import Kind
+from ._sharding import is_main_process, wait_for_all
 
 FORMAT = 1
 SUFFIX = ".nitro.npz"
@@ -135,13 +136,16 @@ def _jsonable(x):
 
 
 # ---------------------------------------------------------------- writing
-def _leaves(tree) -> tuple[list, str]:
+def _leaves(n, tree) -> tuple[list, str]:
+    """`tree`'s leaves as numpy (a leaf split over processes gathered whole) and its structure."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return [np.asarray(x) for x in jax.device_get(leaves)], str(treedef)
+    return [np.asarray(x) for x in n._place.host(leaves)], str(treedef)
 
 
 def save(n, path) -> str:
     """Write handle `n`'s checkpoint to `path` (a file; a directory gets `step-<step>.nitro.npz` inside).
+    Under `jax.distributed` every process calls it: all gather the arrays (a sharded one needs every
+    process), process 0 writes, and each returns once the file is there.
 
     **Returns:** the file written."""
     path = os.fspath(path)
@@ -149,14 +153,22 @@ def save(n, path) -> str:
         path = os.path.join(path, f"step-{int(n.step):08d}{SUFFIX}")
     elif not path.endswith(".npz"):
         path += SUFFIX
+    state = {group: _leaves(n, tree) for group, tree in handle_state(n).items()}  # on every process
+    if is_main_process():
+        _write(n, path, state)
+    wait_for_all(f"nitro_ipy checkpoint at step {int(n.step)}")
+    return path
+
+
+def _write(n, path: str, state: dict) -> None:
+    """Write the checkpoint file of handle `n` from `state` (`{group: (numpy leaves, treedef)}`)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     info = manifest(n)
     # Every array's bytes in one buffer (a zip member per array costs more than the arrays, at 250 small
     # ones); dtype, shape and offset of each are in the manifest. bfloat16 and other ml_dtypes need no
     # .npy form this way either.
     chunks, layout, offset = [], {}, 0
-    for group, tree in handle_state(n).items():
-        leaves, treedef = _leaves(tree)
+    for group, (leaves, treedef) in state.items():
         entries = []
         for a in leaves:
             entries.append([str(a.dtype), list(a.shape), offset])
@@ -177,7 +189,6 @@ def save(n, path) -> str:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    return path
 
 
 # ---------------------------------------------------------------- reading
@@ -316,7 +327,8 @@ class Policy:
         if n.epoch % self.every:
             return None
         path = save(n, os.path.join(self.directory, f"step-{int(n.step):08d}{SUFFIX}"))
-        self.retain()
+        if is_main_process():  # the one process that writes is the one that deletes
+            self.retain()
         return path
 
     def retain(self) -> None:

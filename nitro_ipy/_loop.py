@@ -10,6 +10,7 @@ keeps nothing on the host: its loss is summed on device into the guard the optim
 (`_guard`), which a sync point reads in one transfer.
 """
 
+import collections
 import contextlib
 import signal
 import threading
@@ -98,7 +99,7 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
             batch = next(batches)
             if schedules:  # checked: type, dtype, shape, finite; then replicated on a mesh
                 place.schedules(binding.first_schedules)(dev, n.step)
-            grad, opt = keyed_step(n, batch, gate)
+            grad, opt, _ = keyed_step(n, batch, gate)
             stable = returns_its_inputs(opt)
             n.step += 1
             gate.defer = False
@@ -107,6 +108,8 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
                 bar.begin_epoch()
             grad_call, opt_call, seed_step = grad.call, opt.call, n._seed_step
             perf_counter = time.perf_counter
+            ahead = place.ahead  # 0, or how many steps this loop may run ahead of a CPU mesh (`_sharding.pace`)
+            recent = collections.deque(maxlen=ahead + 1)  # the last steps' losses, kept only to pace by
             next_sync = perf_counter() + _SYNC_SECONDS
             for batch in batches:
                 if gate.pending:
@@ -122,9 +125,13 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
                     reused += 1
                 else:  # slow path: re-key every step (and report the loop)
                     gate.defer = False  # nothing is donated yet, and a compile may follow
-                    grad, opt = keyed_step(n, batch, gate)
+                    grad, opt, loss = keyed_step(n, batch, gate)
                 n.step += 1
                 gate.defer = False
+                if ahead:  # a CPU mesh: wait for the step `ahead` back (`_sharding.pace`)
+                    recent.append(loss)
+                    if len(recent) > ahead:
+                        recent[0].block_until_ready()
                 if perf_counter() > next_sync:
                     seen, guard = check_losses(n, seen, bar, step0, split, fields)
                     count_reuse(grad, opt, reused)
@@ -160,7 +167,7 @@ def keyed_step(n, batch, gate: InterruptGate):
     opt = n._opt_entry(flat_grads, loss, n._guard)
     gate.defer = True
     n._params, n._opt_state, n._guard = opt.call(n._params, flat_grads, n._opt_state, n._dev, loss, n._guard)
-    return grad, opt
+    return grad, opt, loss
 
 
 def check_losses(n, seen: tuple, bar, step0: int, split: dict, fields) -> tuple:
