@@ -4,7 +4,7 @@ Each probe isolates one cost with a micro-benchmark (best-of-N and median, on th
 stated) so it can be re-measured after a change:
 
     python3 benchmarks/profile_handle.py            # every probe (~4 min on 2 cores)
-    python3 benchmarks/profile_handle.py loop dispatch recorder optflags rebuild dots
+    python3 benchmarks/profile_handle.py loop dispatch recorder optflags rebuild dots convflags
     python3 benchmarks/profile_handle.py --quick    # every probe, few repetitions: CI's smoke run
     python3 benchmarks/profile_handle.py --json out.json   # also write the measurements as JSON (`-`: stdout)
 
@@ -22,6 +22,9 @@ stated) so it can be re-measured after a change:
 - `dots`: first call and run time of MLP gradient programs over a grid of widths and batch sizes, with
   XLA:CPU's YNNPACK multiplies (the default) and without (XLA's own kernels): the data behind
   `_compile.NARROW_DOT`.
+- `convflags`: compile CPU time and run time of the gradient programs of two small Flax CNNs and of an
+  8-layer MLP, with XLA:CPU's fusion emitters (the default) and with the classic ones: the data behind
+  `_compile.CONVOLUTION_OPTIONS`.
 """
 
 import argparse
@@ -54,10 +57,10 @@ OUT: dict = {}
 # grid, so its figures are indicative only.
 FULL = dict(loop_steps={"tiny": 2000, "deep": 400}, loop_reps=7, dispatch_inner={"tiny": 300, "deep": 20},
             dispatch_rounds=5, recorder_rounds=7, optflags=None, optflag_rounds=5, rebuild_edits=5,
-            dot_widths=(16, 32, 64, 128, 256), dot_batches=(8, 64, 256), dot_rounds=7)
+            dot_widths=(16, 32, 64, 128, 256), dot_batches=(8, 64, 256), dot_rounds=7, conv_rounds=5)
 QUICK = dict(loop_steps={"tiny": 200, "deep": 40}, loop_reps=3, dispatch_inner={"tiny": 30, "deep": 2},
              dispatch_rounds=1, recorder_rounds=1, optflags=("default", "O0"), optflag_rounds=1, rebuild_edits=2,
-             dot_widths=(32, 256), dot_batches=(8,), dot_rounds=2)
+             dot_widths=(32, 256), dot_batches=(8,), dot_rounds=2, conv_rounds=1)
 CFG = FULL
 
 
@@ -438,8 +441,68 @@ def probe_guard(cells):
     OUT["guard"] = out
 
 
+
+def probe_convflags(cells):
+    """Behind `_compile.CONVOLUTION_OPTIONS`: the gradient program (forward, loss, backward) of a Conv +
+    BatchNorm CNN, of a two-Conv CNN and of an 8-layer MLP, each compiled with the fusion emitters and
+    with the classic ones; the process's CPU time of the XLA compile (steadier than wall time on a busy
+    machine) and the run time after it, medians of interleaved rounds."""
+    import flax.linen as nn
+
+    class BN(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.BatchNorm(use_running_average=False)(nn.Conv(8, (3, 3))(x)))
+            return nn.Dense(10)(x.reshape((x.shape[0], -1)))
+
+    class TwoConv(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Conv(8, (3, 3))(nn.relu(nn.Conv(8, (3, 3))(x))))
+            return nn.Dense(10)(x.reshape((x.shape[0], -1)))
+
+    def cnn(module):
+        x, y = jnp.ones((64, 8, 8, 1), jnp.float32), jnp.zeros((64,), jnp.int32)
+        v = module.init(jax.random.PRNGKey(0), x)
+
+        def loss(p, x, y):
+            out, _ = module.apply({**v, "params": p}, x, mutable=["batch_stats"])
+            return optax.softmax_cross_entropy_with_integer_labels(out, y).mean()
+
+        return loss, (v["params"], x, y)
+
+    mlp_args = (M.init_mlp(jax.random.PRNGKey(0), 16, 32, 8), jnp.ones((64, 16)), jnp.zeros((64,)))
+    cases = {"conv + batchnorm CNN": cnn(BN()), "two-conv CNN": cnn(TwoConv()),
+             "8-layer MLP (32 wide)": (lambda p, x, y: jnp.mean((M.mlp_forward(p, x) - y) ** 2), mlp_args)}
+    flags = {"fusion emitters": {}, "classic emitters": {"xla_cpu_use_fusion_emitters": False}}
+    log("convflags: gradient programs, XLA compile CPU time and run time, fusion emitters vs classic")
+    out = {}
+    for case, (loss, args) in cases.items():
+        row = {name: {"compile_cpu_s": [], "run_us": []} for name in flags}
+        for _ in range(CFG["conv_rounds"]):
+            for name, opts in flags.items():
+                jax.clear_caches()
+                lowered = jax.jit(jax.value_and_grad(loss)).lower(*args)
+                c0 = time.process_time()
+                c = lowered.compile(compiler_options=dict(opts))
+                row[name]["compile_cpu_s"].append(time.process_time() - c0)
+                jax.block_until_ready(c(*args))
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    res = c(*args)
+                jax.block_until_ready(res)
+                row[name]["run_us"].append((time.perf_counter() - t0) / 20 * 1e6)
+        row = {name: {k: statistics.median(v) for k, v in r.items()} for name, r in row.items()}
+        out[case] = row
+        fe, cl = row["fusion emitters"], row["classic emitters"]
+        log(f"   {case:<24} compile {fe['compile_cpu_s']:.2f} s -> {cl['compile_cpu_s']:.2f} s classic "
+            f"({cl['compile_cpu_s'] / fe['compile_cpu_s']:.2f}x); run {fe['run_us']:.0f} us -> {cl['run_us']:.0f} us")
+    OUT["convflags"] = out
+
+
 PROBES = {"loop": probe_loop, "dispatch": probe_dispatch, "recorder": probe_recorder,
-          "optflags": probe_optflags, "rebuild": probe_rebuild, "dots": probe_dots, "guard": probe_guard}
+          "optflags": probe_optflags, "rebuild": probe_rebuild, "dots": probe_dots,
+          "convflags": probe_convflags, "guard": probe_guard}
 
 
 def main(argv=None) -> int:

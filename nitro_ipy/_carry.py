@@ -122,30 +122,46 @@ def _leaves(tree) -> dict:
     return out
 
 
-def check_fits(cls, init, experiment, seed: int, params, has_state: bool = False) -> None:
-    """Refuse carried `params` that no longer fit what `init` returns now, with a path-level diff.
+def check_fits(cls, init, experiment, seed: int, params, has_state: bool = False, state=None) -> None:
+    """Refuse carried `params` (and, with `has_state`, the model `state`) that no longer fit what `init`
+    returns now, with a path-level diff.
 
     `init` is traced abstractly (`jax.eval_shape`): nothing runs on the device, nothing compiles. With
-    `has_state`, `init` returns `(params, state)`: the parameters are its first value.
+    `has_state`, `init` returns `(params, state)`.
     """
     out = jax.eval_shape(lambda: _arrays_only(init(experiment, jax.random.PRNGKey(seed))))
-    want = _leaves(out[0] if has_state else out)
-    have = _leaves(params)
+    pairs = [("params", "parameters", out[0] if has_state else out, params)]
+    if has_state:
+        pairs.append(("state", "model state", out[1], state))
     lines = []
-    for path in sorted(want.keys() | have.keys()):
-        if path not in have:
-            lines.append(f"  params{path}: new in `init` {_sig(want[path])}, not in the carried parameters")
-        elif path not in want:
-            lines.append(f"  params{path}: carried {_sig(have[path])}, no longer in `init`")
-        elif want[path] != have[path]:
-            lines.append(f"  params{path}: carried {_sig(have[path])}, `init` now gives {_sig(want[path])}")
+    for root, name, want, have in pairs:
+        want, have = _leaves(want), _leaves(have)
+        for path in sorted(want.keys() | have.keys()):
+            if path not in have:
+                lines.append(f"  {root}{path}: new in `init` {_sig(want[path])}, not in the carried {name}")
+            elif path not in want:
+                lines.append(f"  {root}{path}: carried {_sig(have[path])}, no longer in `init`")
+            elif want[path] != have[path]:
+                lines.append(f"  {root}{path}: carried {_sig(have[path])}, `init` now gives {_sig(want[path])}")
     if lines:
         shown = lines[:12] + ([f"  ... and {len(lines) - 12} more"] if len(lines) > 12 else [])
+        what = "parameters" if all(ln.startswith("  params") for ln in lines) else "parameters or model state"
         raise NitroValueError(
             f"the training state of this handle does not fit `{cls.__qualname__}` as it is now: its "
-            "parameters differ from what `init` returns:\n" + "\n".join(shown) + "\nStart a fresh run "
+            f"{what} differ from what `init` returns:\n" + "\n".join(shown) + "\nStart a fresh run "
             "with `Nitro(e, ...)`, or change `init` back so the parameters fit."
         )
+
+
+def copy_arrays(tree):
+    """`tree` with its arrays copied to fresh device buffers in one transfer; every other leaf (an
+    Equinox model's activation function, a Python float or string) as it is, so a static leaf stays
+    static (`_model.leaf_kind`) and keys the same programs."""
+    leaves, treedef = jax.tree.flatten(tree)
+    at = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray, np.generic))]
+    for i, copy in zip(at, jax.device_put([leaves[i] for i in at], may_alias=False)):
+        leaves[i] = copy
+    return treedef.unflatten(leaves)
 
 
 def _arrays_only(tree):

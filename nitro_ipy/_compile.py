@@ -42,6 +42,16 @@ WITHOUT_YNN = {YNN_FUSION_OPTION: ""}
 # fusion-emitter switch) compiles with the rest: level 1 alone takes 2.9 s there instead of 4.5 s.
 OPTIMIZER_OPTIONS = {FUSION_EMITTERS_OPTION: False, OPTIMIZATION_LEVEL_OPTION: 1}
 
+# A program with a convolution (a CNN's gradient, evaluation and predict programs) compiles with the classic
+# emitters: XLA:CPU's fusion emitters spend about half again as much compile time on the fusions around
+# convolutions and batch statistics (gradient programs, CPU seconds: bench_models' CNN 1.2 -> 0.7-0.8, a
+# Conv + BatchNorm CNN 0.76 -> 0.48, a two-Conv CNN 0.65 -> 0.35), for run times within +-20% either way
+# (benchmarks/profile_handle.py `convflags`). Every edit of a CNN recompiles these programs. Programs
+# without one keep the fusion emitters: an MLP's gradient program compiles 2-12x slower with the classic
+# ones. YNNPACK, which runs convolutions too, stays on there whatever the multiplies (`NARROW_DOT` was
+# measured on multiplies only).
+CONVOLUTION_OPTIONS = {FUSION_EMITTERS_OPTION: False}
+
 
 def compile_program(
     key,
@@ -225,29 +235,38 @@ def _same_array(const, value) -> bool:
 
 
 def program_options(jaxpr, options: dict | None = None) -> dict:
-    """The compiler options for a program traced to `jaxpr`: `options`, plus XLA's own kernels for matrix
-    multiplies where every one is narrow (see `NARROW_DOT`). Options given explicitly win."""
+    """The compiler options for a program traced to `jaxpr`: `options`, plus the classic emitters for a
+    program with a convolution (see `CONVOLUTION_OPTIONS`), else XLA's own kernels for matrix multiplies
+    where every one is narrow (see `NARROW_DOT`). Options given explicitly win."""
     out = dict(options or {})
-    if jax.default_backend() == "cpu" and _all_dots_narrow(jaxpr):
-        out = {**WITHOUT_YNN, **out}
+    if jax.default_backend() != "cpu":
+        return out
+    convolutions, narrow = _multiplies(jaxpr)
+    if convolutions:
+        return {**CONVOLUTION_OPTIONS, **out}
+    if narrow:
+        return {**WITHOUT_YNN, **out}
     return out
 
 
-def _all_dots_narrow(jaxpr) -> bool:
-    """True when `jaxpr` (sub-jaxprs included) multiplies matrices, and every multiply has at most one of
-    its rows, columns and contracted size above `NARROW_DOT`."""
-    dots = 0
+def _multiplies(jaxpr) -> tuple[bool, bool]:
+    """`(convolves, all dots narrow)` for `jaxpr` (sub-jaxprs included): whether it has a convolution, and
+    whether it multiplies matrices with every multiply having at most one of its rows, columns and
+    contracted size above `NARROW_DOT`."""
+    dots, narrow, convolves = 0, True, False
     for eqn in jaxpr_eqns([jaxpr]):
-        if eqn.primitive.name == "dot_general":
+        name = eqn.primitive.name
+        if name == "conv_general_dilated":
+            convolves = True
+        elif name == "dot_general" and narrow:
             dots += 1
             (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
             lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
             rows = math.prod(d for i, d in enumerate(lhs) if i not in lc and i not in lb)
             cols = math.prod(d for i, d in enumerate(rhs) if i not in rc and i not in rb)
             inner = math.prod(lhs[i] for i in lc)
-            if sorted((rows, cols, inner))[1] > NARROW_DOT:
-                return False
-    return dots > 0
+            narrow = sorted((rows, cols, inner))[1] <= NARROW_DOT
+    return convolves, narrow and dots > 0
 
 
 def xla_compile(lowered, options: dict):

@@ -137,12 +137,12 @@ class Nitro:
 
         if carry is not None:
             params, state, opt_state, self.step, self.epoch = carry
-            if opt_state is not None:  # a rebuild: one transfer for every buffer, no per-shape copy
-                # programs; the old handle keeps its own
-                params, state, opt_state = jax.device_put((params, state, opt_state), may_alias=False)
+            if opt_state is not None:  # a rebuild: the new handle's own buffers (the old one keeps its
+                # own), one transfer for all; static leaves (an Equinox model's functions, floats) stay static
+                params, state, opt_state = _carry.copy_arrays((params, state, opt_state))
             # User classes in the training state (an Equinox model) re-bound to the live code, values kept.
             params, state, opt_state = _carry.live_value(params), _carry.live_value(state), _carry.live_value(opt_state)
-            _carry.check_fits(b.cls, b.init, b.experiment, self.seed, params, b.has_state)
+            _carry.check_fits(b.cls, b.init, b.experiment, self.seed, params, b.has_state, state)
         elif given is not None:
             params, state = check_given(b, jax.random.PRNGKey(self.seed), *given)
             opt_state, self.step, self.epoch = None, 0, 0
@@ -171,14 +171,10 @@ class Nitro:
         self._opt_state = opt_state
         self._settings = {"accum": self.accum, "layout": self._layout.signature, "statics": split.signature,
                           "on_nonfinite": self.on_nonfinite}  # what specs' options name
-        # The rng argument of the gradient program: `[seed, step]` (replicated on a mesh), or None when no
-        # hook wants `rng`.
-        if not b.wants_rng:
-            self._seed_step = lambda step: None
-        elif on_mesh:
-            self._seed_step = lambda step: place.replicate(np.array([self.seed, step], np.uint32))
-        else:
-            self._seed_step = lambda step: np.array([self.seed, step], np.uint32)
+        # How `_seed_step` places the rng argument: None (no hook wants `rng`), False (as a host array),
+        # or the mesh placement that replicates it. A method, not a lambda over `self`: a handle in a
+        # reference cycle outlives its last name until a garbage collection, and its programs with it.
+        self._rng_place = None if not b.wants_rng else place if on_mesh else False
 
         self._programs: dict = {}  # key -> Entry: what this handle runs (kept even if poisoned)
         self._guard_parts = None  # values a step's guard checks (`_loop.guard_parts`), once known
@@ -278,6 +274,14 @@ class Nitro:
         self._programs[key] = entry
         _ahead.resolved(self, spec, key, args, hook, fields)
         return entry
+
+    def _seed_step(self, step: int):
+        """The gradient program's rng argument for `step`: `[seed, step]` (replicated on a mesh), or None."""
+        place = self._rng_place
+        if place is None:
+            return None
+        seed_step = np.array([self.seed, step], np.uint32)
+        return seed_step if place is False else place.replicate(seed_step)
 
     def _grad_entry(self, batch):
         routes = self._binding.routes

@@ -5,25 +5,23 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import nitro_ipy
 from nitro_ipy import CacheStats, Device, GraphConst, Host, Nitro
 from nitro_ipy import _cache, _compile, _explain
 
-
-def _split(n, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 4)).astype(np.float32)
-    return {"x": x, "y": np.sin(x.sum(1)).astype(np.float32)}
+import _experiments  # the tiny regression most tests train, and its data
+from _experiments import data as _split
 
 
 DATA = {"train": _split(64)}  # two steps per epoch at batch_size=32
 
 
 @dataclasses.dataclass
-class Reg:
+class Reg(_experiments.Reg):
+    """The tiny regression, wider, with a smaller step and init, and a Host field."""
+
     hidden: GraphConst[int] = 16
     lr: Device[float] = 1e-3
     seed_note: Host[int] = 0
@@ -35,15 +33,6 @@ class Reg:
             "w1": jax.random.normal(k1, (4, self.hidden)) * 0.1,
             "w2": jax.random.normal(k2, (self.hidden,)) * 0.1,
         }
-
-    def forward(self, params, *, x):
-        return jnp.tanh(x @ params["w1"]) @ params["w2"]
-
-    def loss(self, outputs, *, y):
-        return jnp.mean((outputs - y) ** 2)
-
-    def optimizer(self):
-        return optax.adam(self.lr)
 
 
 def _train(e, batch_size=32, data=DATA, **kw):
@@ -328,6 +317,18 @@ def test_one_wide_multiply_anywhere_keeps_ynnpack():
     assert _compile.program_options(_jaxpr(jax.grad(nested), (128, 128))) == {}
     assert _compile.program_options(_jaxpr(jax.grad(nested), (128, 32))) == NO_YNN
     assert _compile.program_options(_jaxpr(lambda x: jnp.tanh(x) * 2.0, (256, 256))) == {}  # no multiply
+
+
+def test_a_program_with_a_convolution_compiles_with_the_classic_emitters_and_keeps_ynnpack():
+    conv = lambda x, k: jax.lax.conv_general_dilated(x, k, (1, 1), "SAME")
+    classic = {"xla_cpu_use_fusion_emitters": False}
+    assert _compile.program_options(_jaxpr(conv, (8, 1, 8, 8), (4, 1, 3, 3))) == classic
+    # narrow multiplies beside it do not turn YNNPACK off: it runs the convolution too
+    head = lambda x, k, w: conv(x, k).reshape((8, -1)) @ w
+    assert _compile.program_options(_jaxpr(head, (8, 1, 8, 8), (4, 1, 3, 3), (256, 10))) == classic
+    assert _compile.program_options(_jaxpr(jax.grad(lambda k, x: conv(x, k).sum()), (4, 1, 3, 3), (8, 1, 8, 8))) == classic
+    mine = {"xla_cpu_use_fusion_emitters": True}
+    assert _compile.program_options(_jaxpr(conv, (8, 1, 8, 8), (4, 1, 3, 3)), mine) == mine  # explicit wins
 
 
 def test_handle_programs_record_the_options_they_were_compiled_with():

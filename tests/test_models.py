@@ -181,6 +181,119 @@ def test_equinox_module_as_params(flat):
     assert np.isfinite(n.validate()["loss"])
 
 
+class _EqxBN(eqx.Module):
+    """A stateful Equinox model: BatchNorm statistics live in an `eqx.nn.State`, not in the module."""
+
+    lin: eqx.nn.Linear
+    bn: eqx.nn.BatchNorm
+    drop: eqx.nn.Dropout
+    out: eqx.nn.Linear
+
+    def __init__(self, width, key):
+        k1, k2 = jax.random.split(key)
+        self.lin = eqx.nn.Linear(2, width, key=k1)
+        self.bn = eqx.nn.BatchNorm(width, axis_name="batch", mode="batch")
+        self.drop = eqx.nn.Dropout(0.3)
+        self.out = eqx.nn.Linear(width, "scalar", key=k2)
+
+    def __call__(self, x, state, key):
+        x, state = self.bn(self.lin(x), state)
+        return self.out(self.drop(jax.nn.relu(x), key=key)), state
+
+
+def _eqx_apply(model, x, state, rng, train):
+    """The Equinox way to run a stateful model on a batch: vmapped over examples, the state shared."""
+    model = eqx.nn.inference_mode(model, value=not train)
+    keys = jax.random.split(rng, x.shape[0])
+    return jax.vmap(model, axis_name="batch", in_axes=(0, None, 0), out_axes=(0, None))(x, state, keys)
+
+
+@dataclasses.dataclass
+class EqxStateExp:
+    width: GraphConst[int] = 6
+
+    def init(self, rng):
+        return eqx.nn.make_with_state(_EqxBN)(self.width, rng)
+
+    def forward(self, params, *, x, state, rng, train):
+        return _eqx_apply(params, x, state, rng, train)
+
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+
+    def optimizer(self):
+        return optax.adam(1e-2)
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_equinox_state_batchnorm_and_dropout_go_through_state(flat, tmp_path):
+    nitro_ipy.cache_reset()
+    data = {"train": _reg(64), "valid": _reg(20, 1)}
+    n = Nitro(EqxStateExp(), data=data, batch_size=64, progress=False, flat_params=flat)
+    assert isinstance(n.params, _EqxBN) and isinstance(n.state, eqx.nn.State)
+    # the statistics are the state's, never parameters: the params are weights, biases and static leaves
+    assert [p for p, k in zip(n._model.split.paths, n._model.split.kinds) if k != "static"] == [
+        "params.lin.weight", "params.lin.bias", "params.bn.weight", "params.bn.bias",
+        "params.out.weight", "params.out.bias"]
+    copy = lambda a: np.array(a) if isinstance(a, jax.Array) else a  # training donates the old buffers
+    init_params, state0 = jax.tree.map(copy, n.params), jax.tree.map(copy, n.state)
+    n.train()  # one step over all 64 rows: the new statistics are those of the whole split, in any order
+    assert nitro_ipy.cache_stats().misses == 3  # grad + opt + eval: state adds no program
+    _, want = _eqx_apply(init_params, jnp.asarray(data["train"]["x"]), state0, jax.random.PRNGKey(0), True)
+    moved = jax.tree.map(lambda a, b: not np.allclose(a, b), n.state, state0)
+    assert all(jax.tree.leaves(moved))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), n.state, want)
+    # train=False in evaluation and predict: dropout off, the running statistics used
+    assert n.validate() == n.validate()
+    out = n.predict({"x": data["valid"]["x"]})
+    direct, _ = _eqx_apply(n.params, jnp.asarray(data["valid"]["x"]), n.state, jax.random.PRNGKey(1), False)
+    np.testing.assert_allclose(out, np.asarray(direct), rtol=1e-5, atol=1e-6)
+    misses = nitro_ipy.cache_stats().misses
+    n2 = n.rebuild()  # carries the module (static leaves included), the State and the optimizer state
+    assert isinstance(n2.state, eqx.nn.State) and n2.params.drop.p == 0.3 and n2.params.bn.axis_name == "batch"
+    jax.tree.map(np.testing.assert_array_equal, n2.state, n.state)
+    n2.train()
+    assert nitro_ipy.cache_stats().misses == misses  # the same programs: nothing in their keys moved
+    m = Nitro(EqxStateExp(), data=data, batch_size=64, progress=False, flat_params=flat, resume=n2.save(tmp_path))
+    assert m.step == 2 and isinstance(m.state, eqx.nn.State)
+    jax.tree.map(np.testing.assert_array_equal, m.state, n2.state)
+    assert m.validate() == n2.validate()
+
+
+def test_rebuild_keeps_static_leaves_static():
+    nitro_ipy.cache_reset()
+    n = Nitro(EqxExp(), data={"train": _reg()}, batch_size=16, progress=False)
+    n.train()
+    n2 = n.rebuild()
+    assert type(n2.params.scale) is float and n2.params.mlp.activation is jax.nn.relu
+    np.testing.assert_array_equal(n2.params.count, np.arange(3))
+    n2.train()
+    assert nitro_ipy.cache_stats().misses == 2  # a static leaf turned into an array would key new programs
+
+
+def test_rebuild_refuses_a_model_state_that_no_longer_fits():
+    @dataclasses.dataclass
+    class Counts:
+        bins: int = 3  # Host: read by `init` only
+
+        def init(self, rng):
+            return {"w": jnp.zeros(2)}, {"seen": jnp.zeros(self.bins)}
+
+        def forward(self, params, *, x, state):
+            return x @ params["w"], {"seen": state["seen"] + 1.0}
+
+        def loss(self, outputs, *, y):
+            return jnp.mean((outputs - y) ** 2)
+
+    n = Nitro(Counts(), data={"train": _reg(32)}, batch_size=16, progress=False)
+    n.train()
+    np.testing.assert_array_equal(n.state["seen"], [2.0, 2.0, 2.0])
+    with pytest.raises(NitroValueError) as info:
+        n.rebuild(Counts(bins=4))
+    assert ("its parameters or model state differ from what `init` returns:\n  state['seen']: carried "
+            "float32[3], `init` now gives float32[4]") in str(info.value)
+
+
 def test_a_changed_static_leaf_moves_the_key():
     data = {"train": _reg()}
     for scale in (1.5, 1.5, 2.5):
@@ -390,3 +503,35 @@ def test_a_checkpoint_carries_the_model_state(tmp_path):
     assert m.step == n.step == 2
     jax.tree.map(np.testing.assert_array_equal, m.state, n.state)
     jax.tree.map(np.testing.assert_array_equal, m.params, n.params)
+
+
+def _nnx_experiment():
+    graphdef, _, _ = nnx.split(_NNXNet(4, nnx.Rngs(0)), nnx.Param, ...)
+    return NNXExp(graphdef), {"train": _reg(), "valid": _reg(20, 1)}
+
+
+@pytest.mark.parametrize("make", [
+    lambda: (Digits(), _flax_data()),  # Linen with rng, state and train
+    lambda: (EqxExp(), {"train": _reg(), "valid": _reg(20, 1)}),  # an Equinox module as params
+    _nnx_experiment,  # NNX: graphdef GraphConst, state, rng
+], ids=["linen", "equinox", "nnx"])
+def test_a_dropped_handle_frees_its_programs_without_a_garbage_collection(make):
+    """A notebook rebinds `n` every rebuild: the old handle, and the programs only it holds, must go at
+    once, not at the next `gc` (compile-ahead would otherwise rebuild programs for a handle no one has)."""
+    import gc
+    import weakref
+
+    e, data = make()
+    gc.collect()
+    gc.disable()
+    try:
+        n = Nitro(e, data=data, batch_size=16, max_epochs=1, progress=False)
+        n.train()
+        n.predict({"x": data["valid"]["x"]})
+        handle, entries = weakref.ref(n), [weakref.ref(x) for x in n._programs.values()]
+        assert len(entries) >= 3  # grad, opt, eval, predict
+        del n
+        nitro_ipy.cache_reset()
+        assert (handle() is None, [r() is None for r in entries]) == (True, [True] * len(entries))
+    finally:
+        gc.enable()
