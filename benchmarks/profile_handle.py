@@ -17,6 +17,8 @@ stated) so it can be re-measured after a change:
 - `optflags`: XLA compile time and run time of the optimizer program (242 slices in its unravel) under
   XLA CPU compiler options, next to a per-array (tree) optimizer.
 - `rebuild`: `n.rebuild()` after an edit, and three ways to copy the carried state.
+- `guard`: the non-finite guard's cost in the optimizer program (XLA compile CPU at 242 arrays, CPU per
+  call on the tiny MLP): as built (`lax.cond`), without a guard, and with the updates masked by a select.
 - `dots`: first call and run time of MLP gradient programs over a grid of widths and batch sizes, with
   XLA:CPU's YNNPACK multiplies (the default) and without (XLA's own kernels): the data behind
   `_compile.NARROW_DOT`.
@@ -381,6 +383,65 @@ def probe_dots(cells):
     OUT["dots"] = out
 
 
+def probe_guard(cells):
+    """The non-finite guard's cost: the optimizer program as the handle builds it (`_guard.gated`, one
+    `lax.cond` around the update) against the same update without a guard and against the earlier form
+    (updates masked by a select, state selected back). XLA compile CPU seconds (this process, every thread:
+    steadier than wall time on a shared machine) at 242 arrays, and main-thread CPU per call on the tiny
+    MLP."""
+    log("guard: optimizer program with the guard as built (cond), without one, and with masked updates")
+    out = {}
+    for label, cfg in (("deep", DEEP), ("tiny", TINY)):
+        nitro_ipy.cache_reset()
+        n, data, ent = handle_for(cells, cfg, 4, name=f"Guard{label}")
+        b, model = n._binding, n._model
+        split, layout = model.split, model.layout
+        built = _programs.make_optimizer(b.view, b.optimizer, model, True)
+
+        def step(params, flat_grads, opt_state, dev):
+            tx = b.optimizer(b.view(dev))
+            trainable = split.trainable(params)
+            updates, new_state = tx.update(flat_grads, opt_state, layout.ravel(trainable))
+            return split.with_trainable(params, optax.apply_updates(trainable, layout.unravel(updates))), new_state
+
+        def unguarded(params, flat_grads, opt_state, dev, loss, guard):
+            return (*step(params, flat_grads, opt_state, dev), guard)
+
+        def masked(params, flat_grads, opt_state, dev, loss, guard):
+            apply, guard = _guard.decide(guard, _guard.parts(loss, flat_grads, dev), True)
+            tx = b.optimizer(b.view(dev))
+            trainable = split.trainable(params)
+            updates, new_state = tx.update(flat_grads, opt_state, layout.ravel(trainable))
+            updates = jax.tree.map(lambda u: jnp.where(apply, u, jnp.zeros_like(u)), updates)
+            new_params = split.with_trainable(params, optax.apply_updates(trainable, layout.unravel(updates)))
+            return new_params, _guard.select(apply, new_state, opt_state), guard
+
+        batch = {k: v[: cfg["batch"]] for k, v in data.items()}
+        flat, loss, _ = ent["grad"].call(n._params, None, n._dev, batch, None)
+        guard = _guard.fresh(_guard.n_parts(layout, split.trainable(n._params), n._dev))
+        args = (n._params, flat, n._opt_state, n._dev, loss, guard)
+        res, progs = {}, {}
+        for name, fn in (("guard (cond), as built", built), ("no guard", unguarded), ("masked updates", masked)):
+            low = jax.jit(fn, donate_argnums=(0, 2, 5)).lower(*args)
+            c0 = time.process_time()
+            progs[name] = _compile.xla_compile(low, _programs.OPT.compiler_options)[0]
+            res[name] = {"xla_cpu_s": time.process_time() - c0}
+        if label == "tiny":
+            for name, c in progs.items():
+                st = [jax.tree.map(jnp.copy, n._params), jax.tree.map(jnp.copy, n._opt_state), jnp.asarray(guard)]
+
+                def f(c=c, st=st):
+                    st[0], st[1], st[2] = c(st[0], flat, st[1], n._dev, loss, st[2])
+                res[name].update(best(f, CFG["dispatch_rounds"] * 3, CFG["dispatch_inner"]["tiny"] * 3,
+                                      lambda st=st: jax.block_until_ready(st)))
+        for name, r in res.items():
+            extra = f"{r['cpu_median_us']:>9.1f} us cpu/call {r['best_us']:>9.1f} us best" if "best_us" in r else ""
+            log(f"   {label}: {name:<28} XLA {r['xla_cpu_s']:>6.2f} s cpu   {extra}")
+        out[label] = res
+    OUT["guard"] = out
+
+
+
 def probe_convflags(cells):
     """Behind `_compile.CONVOLUTION_OPTIONS`: the gradient program (forward, loss, backward) of a Conv +
     BatchNorm CNN, of a two-Conv CNN and of an 8-layer MLP, each compiled with the fusion emitters and
@@ -441,7 +502,7 @@ def probe_convflags(cells):
 
 PROBES = {"loop": probe_loop, "dispatch": probe_dispatch, "recorder": probe_recorder,
           "optflags": probe_optflags, "rebuild": probe_rebuild, "dots": probe_dots,
-          "convflags": probe_convflags}
+          "convflags": probe_convflags, "guard": probe_guard}
 
 
 def main(argv=None) -> int:

@@ -1,15 +1,18 @@
 """Non-finite steps never reach the parameters.
 
 The optimizer program checks, on device, the step's loss, each gradient buffer and each floating Device
-field (`parts`), and when any is non-finite applies nothing: the updates become zeros (`masked_updates`,
-a select per flat buffer) and the optimizer state stays the old one (`select`), inside the program that
-donates them. A small `guard` (one int32 vector, so a step
-dispatches one more buffer, not four) is carried from step to step through the same program:
+field (`parts`), and when any is non-finite applies nothing: the whole update is one `lax.cond` (`gated`)
+whose other branch hands back the parameters and optimizer state it was given, inside the program that
+donates them. A small `guard` (one int32 vector, so a step dispatches one more buffer, not four) is
+carried from step to step through the same program:
 
 - `guard[STEPS]`: steps seen since the guard was made (the epoch's start);
 - `guard[BAD]`: how many of them were not applied;
 - `guard[FIRST]`: the index of the first bad one (-1: none); `guard[WHY:]`: which parts were non-finite
-  at that step (1 = non-finite).
+  at that step (1 = non-finite);
+- `guard[FINITE]`, `guard[SUM]`, `guard[COMP]`: how many steps had a finite loss, and the sum of those
+  losses (float32 bits: a compensated sum and its compensation), so a sync point learns the epoch's loss
+  from the one transfer of the guard rather than one transfer per step's loss (`loss_sum`).
 
 `halt=True` (`on_nonfinite="raise"`) makes a bad step sticky: no later step of the epoch applies either,
 so the handle holds exactly the parameters of the last finite step when the loop sees the guard at its
@@ -24,7 +27,7 @@ import numpy as np
 
 from ._errors import NonFiniteLossError
 
-STEPS, BAD, FIRST, WHY = 0, 1, 2, 3
+STEPS, BAD, FIRST, FINITE, SUM, COMP, WHY = 0, 1, 2, 3, 4, 5, 6
 
 
 def _floating(x) -> bool:
@@ -72,30 +75,62 @@ def first_bad(guard) -> int:
     return int(guard[FIRST])
 
 
+def loss_sum(guard) -> tuple[float, int]:
+    """`(sum, count)` of the finite losses a (host) guard has seen."""
+    hi, lo = np.asarray(guard[SUM:COMP + 1], np.int32).view(np.float32).astype(np.float64)
+    return float(hi + lo), int(guard[FINITE])
+
+
+def _add_loss(guard, loss):
+    """`(finite count, sum bits, compensation bits)` after adding `loss` when it is finite: Neumaier's
+    compensated sum in float32, so an epoch's mean loss is as exact as the host's float64 sum was."""
+    finite = jnp.isfinite(loss)
+    x = jnp.where(finite, loss, 0).astype(jnp.float32)
+    bits = lambda v: jax.lax.bitcast_convert_type(v, jnp.int32)
+    s, c = (jax.lax.bitcast_convert_type(guard[i], jnp.float32) for i in (SUM, COMP))
+    t = s + x
+    c = c + jnp.where(jnp.abs(s) >= jnp.abs(x), (s - t) + x, (x - t) + s)
+    return guard[FINITE] + finite.astype(jnp.int32), bits(t), bits(c)
+
+
 def decide(guard, checked: list, halt: bool):
     """`(apply, new guard)`: whether this step's update applies (every value of `checked` is finite and,
-    with `halt`, no earlier step was bad), and the guard that records it. Traced inside the optimizer
-    program."""
+    with `halt`, no earlier step was bad), and the guard that records it (and the loss, `checked[0]`).
+    Traced inside the optimizer program."""
     bad_parts = jnp.stack([~jnp.all(jnp.isfinite(c)) for c in checked])
     bad = jnp.any(bad_parts)
     apply = ~bad & (guard[BAD] == 0) if halt else ~bad
     first_time = bad & (guard[FIRST] < 0)
     head = jnp.stack([guard[STEPS] + 1, guard[BAD] + bad.astype(jnp.int32),
-                      jnp.where(first_time, guard[STEPS], guard[FIRST])])
+                      jnp.where(first_time, guard[STEPS], guard[FIRST]), *_add_loss(guard, checked[0])])
     why = jnp.where(first_time, bad_parts.astype(jnp.int32), guard[WHY:])
     return apply, jnp.concatenate([head, why])
 
 
-def masked_updates(apply, updates):
-    """`updates` where `apply`, else zeros: a step not applied adds nothing, exactly. Selecting the
-    updates (one select per flat buffer) rather than the parameters (one per array) keeps the optimizer
-    program as small as it was: XLA compiles it once per session, and a 242-array model has 242 arrays."""
-    return jax.tree.map(lambda u: jnp.where(apply, u, jnp.zeros_like(u)), updates)
+def gated(apply, step, params, flat_grads, opt_state, dev):
+    """`step(params, flat_grads, opt_state, dev)` -> `(params, opt_state)` where `apply`, else
+    `(params, opt_state)` as they came in, exactly. Traced inside the optimizer program.
+
+    One `lax.cond` around the whole update: XLA:CPU runs the branch taken, and the update's arrays are
+    compiled as they are without the guard (selecting the updates instead put a select into each
+    parameter's slice of the flat buffer: +25% XLA time at 242 arrays, measured in
+    benchmarks/profile_handle.py `guard`). An optimizer whose state changes structure, shape or dtype
+    (one that grows it, which recompiles anyway) cannot be a branch of the same type as its input: its
+    updates are masked to zeros (one select per flat buffer) and its new state taken as it is.
+    """
+    keep = lambda params, flat_grads, opt_state, dev: (params, opt_state)
+    try:
+        return jax.lax.cond(apply, step, keep, params, flat_grads, opt_state, dev)
+    except TypeError:  # the branches' types differ: the state moved
+        pass
+    new_params, new_state = step(params, flat_grads, opt_state, dev)
+    new_params = jax.tree.map(lambda n, o: jnp.where(apply, n, o), new_params, params)
+    return new_params, select(apply, new_state, opt_state)
 
 
 def select(apply, new, old):
-    """`new` where `apply`, else `old`, leaf by leaf; a state whose structure or shapes moved (an
-    optimizer that grows its state, which recompiles anyway) cannot go back and is taken as it is."""
+    """`new` where `apply`, else `old`, leaf by leaf; a state whose structure or shapes moved cannot go
+    back and is taken as it is."""
     same = jax.tree.structure(new) == jax.tree.structure(old) and all(
         jnp.shape(a) == jnp.shape(b) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old)))
     if not same:

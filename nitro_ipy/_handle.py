@@ -177,6 +177,7 @@ class Nitro:
         self._rng_place = None if not b.wants_rng else place if on_mesh else False
 
         self._programs: dict = {}  # key -> Entry: what this handle runs (kept even if poisoned)
+        self._guard_parts = None  # values a step's guard checks (`_loop.guard_parts`), once known
         self._progress = None  # the running train() call's `_progress.Progress`, read by the step loop
         self._curve: list = []  # (epoch position, train loss) at sync points: the chart of the panel and `plot()`
         self._kinds_seen: dict = {}  # kind -> key of the first program of that kind

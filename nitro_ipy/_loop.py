@@ -5,16 +5,18 @@
 training programs through the handle's `_grad_entry` / `_opt_entry`, which key and maybe compile them.
 
 The steady-state loop is benchmarked at the microsecond level (a tiny MLP against a hand-written loop):
-calls it makes every step are bound to locals, and counters and messages wait for a sync point.
+calls it makes every step are bound to locals, and counters and messages wait for a sync point. A step
+keeps nothing on the host: its loss is summed on device into the guard the optimizer program carries
+(`_guard`), which a sync point reads in one transfer.
 """
 
+import collections
 import contextlib
 import signal
 import threading
 import time
 
 import jax
-import numpy as np
 
 from . import _cache, _guard
 from ._compat import compiled_in_avals, compiled_out_avals
@@ -81,14 +83,14 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
     batches = place.batches(train_batches(split, fields, n.batch_size, n.accum, (n.seed, n.epoch)), n.accum > 1)
     step0 = n.step
     # The guard is a tiny int32 vector: replicated on a mesh, like every scalar the programs take.
-    n._guard = place.replicate(_guard.fresh(_guard.n_parts(n._layout, n._model.split.trainable(n._params), n._dev)))
+    n._guard = place.replicate(_guard.fresh(guard_parts(n)))
     settled = False
     bar = None  # told after the first step, so compile lines print above it, not through it
     binding = n._binding
     schedules, apply_schedules = binding.schedules, place.schedules(binding.apply_schedules)
     dev = n._dev  # schedules set its values in place, so the programs see them through this one dict
     gate = InterruptGate() if gate is None else gate
-    losses, total, n_loss = [], 0.0, 0
+    seen, guard = (0.0, 0), None  # the finite losses' (sum, count) at the last sync, and that guard
     reused, grad, opt = 0, None, None  # steady-state steps that reused the resolved programs
     try:
         with gate.installed():
@@ -97,17 +99,17 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
             batch = next(batches)
             if schedules:  # checked: type, dtype, shape, finite; then replicated on a mesh
                 place.schedules(binding.first_schedules)(dev, n.step)
-            grad, opt, loss = keyed_step(n, batch, gate)
+            grad, opt, _ = keyed_step(n, batch, gate)
             stable = returns_its_inputs(opt)
             n.step += 1
-            losses.append(loss)
             gate.defer = False
             bar = n._progress  # this train() call's `_progress.Progress`, or None
             if bar is not None:  # it draws on process 0 only (`_progress.start`)
                 bar.begin_epoch()
             grad_call, opt_call, seed_step = grad.call, opt.call, n._seed_step
-            append, perf_counter = losses.append, time.perf_counter
+            perf_counter = time.perf_counter
             ahead = place.ahead  # 0, or how many steps this loop may run ahead of a CPU mesh (`_sharding.pace`)
+            recent = collections.deque(maxlen=ahead + 1)  # the last steps' losses, kept only to pace by
             next_sync = perf_counter() + _SYNC_SECONDS
             for batch in batches:
                 if gate.pending:
@@ -126,26 +128,34 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
                     grad, opt, loss = keyed_step(n, batch, gate)
                 n.step += 1
                 gate.defer = False
-                append(loss)
-                if ahead and len(losses) > ahead:
-                    losses[-ahead - 1].block_until_ready()
+                if ahead:  # a CPU mesh: wait for the step `ahead` back (`_sharding.pace`)
+                    recent.append(loss)
+                    if len(recent) > ahead:
+                        recent[0].block_until_ready()
                 if perf_counter() > next_sync:
-                    total, n_loss = check_losses(n, losses, total, n_loss, bar, step0, split, fields)
-                    losses.clear()
+                    seen, guard = check_losses(n, seen, bar, step0, split, fields)
                     count_reuse(grad, opt, reused)
                     reused = 0
                     _cache.publish("progress")  # the live panel, never per step
                     next_sync = perf_counter() + _SYNC_SECONDS
             if gate.pending and gate.cuts_epoch():
                 raise KeyboardInterrupt
-            total, n_loss = check_losses(n, losses, total, n_loss, bar, step0, split, fields)
+            seen, guard = check_losses(n, seen, bar, step0, split, fields)
             settled = True
     finally:
         count_reuse(grad, opt, reused)
         if not settled:  # Ctrl-C or an error: a bad step before it still counts as not applied
             settle(n, step0)
-    skipped = _guard.bad_steps(jax.device_get(n._guard))
-    return total / max(n_loss, 1), skipped
+    return seen[0] / max(seen[1], 1), _guard.bad_steps(guard)
+
+
+def guard_parts(n) -> int:
+    """How many values the handle's steps check (`_guard.n_parts`), worked out once per handle: it traces
+    the layout's ravel (milliseconds, a tenth of a 256-step epoch of a tiny MLP when paid per epoch), and
+    neither the layout nor the Device fields' dtypes move after setup."""
+    if n._guard_parts is None:
+        n._guard_parts = _guard.n_parts(n._layout, n._model.split.trainable(n._params), n._dev)
+    return n._guard_parts
 
 
 def keyed_step(n, batch, gate: InterruptGate):
@@ -160,31 +170,26 @@ def keyed_step(n, batch, gate: InterruptGate):
     return grad, opt, loss
 
 
-def check_losses(n, losses: list, total: float, count: int, bar, step0: int, split: dict, fields):
-    """Fold the finite losses since the last sync into `(total, count)`; with `on_nonfinite="raise"`,
-    raise the `NonFiniteLossError` of a guard that saw a bad step (one transfer for both).
+def check_losses(n, seen: tuple, bar, step0: int, split: dict, fields) -> tuple:
+    """A sync point: one transfer of the guard, which holds the epoch's finite losses (their sum and
+    count, `_guard.loss_sum`) and its bad steps; with `on_nonfinite="raise"`, raise the
+    `NonFiniteLossError` of a guard that saw a bad step.
 
     **Arguments:**
     - `n`: the handle (its guard, step and epoch name the failing step in the message).
-    - `losses`: device scalars of the steps since the last sync, in order.
-    - `total`, `count`: the running sum and number of losses so far this epoch.
-    - `bar`: the call's `_progress.Progress`, told the window's losses, or None.
+    - `seen`: the finite losses' `(sum, count)` at the last sync point (`(0.0, 0)` at the epoch's start).
+    - `bar`: the call's `_progress.Progress`, told the mean loss since the last sync point, or None.
     - `step0`, `split`, `fields`: the step the epoch started at and its batches, to name the cause.
 
-    **Returns:** the new `(total, count)`.
+    **Returns:** `((sum, count), host guard)`: the epoch's finite losses so far, and the guard read.
     """
-    if not losses:
-        return total, count
-    values, guard = jax.device_get((losses, n._guard))
-    values = np.asarray(values, dtype=np.float64)
+    guard = jax.device_get(n._guard)
     if n.on_nonfinite == "raise" and _guard.bad_steps(guard):
         raise nonfinite_error(n, guard, step0, split, fields)
-    values = values[np.isfinite(values)]  # "skip": a skipped step's loss is not the epoch's
-    if not values.size:
-        return total, count
-    if bar is not None:
-        bar.sync(values)
-    return total + float(values.sum()), count + len(values)
+    total, count = _guard.loss_sum(guard)  # "skip": a skipped step's non-finite loss is not the epoch's
+    if bar is not None and count > seen[1]:
+        bar.sync((total - seen[0]) / (count - seen[1]))
+    return (total, count), guard
 
 
 def nonfinite_error(n, guard, step0: int, split: dict, fields) -> NonFiniteLossError:

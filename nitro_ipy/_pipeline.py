@@ -33,15 +33,20 @@ def train_batches(split: dict, fields, batch_size: int, accum: int, epoch_seed):
         shaped[f] = a.reshape(lead + a.shape[1:])
     views = [shaped[f] for f in fields]
     at = lambda s: dict(zip(fields, [v[s] for v in views]))
-    put = jax.device_put if jax.default_backend() != "cpu" else (lambda batch: batch)
-    ahead = put(at(0))
     try:
+        if jax.default_backend() == "cpu":  # numpy views, converted by the program call itself
+            for s in range(steps):
+                if s == 1:
+                    _ahead.stepping(True)  # the first step (and its compiles) is done
+                yield dict(zip(fields, [v[s] for v in views]))
+            return
+        ahead = jax.device_put(at(0))
         for s in range(steps):
             batch = ahead
             if s + 1 < steps:  # the next batch's transfer starts before this step is dispatched
-                ahead = put(at(s + 1))
+                ahead = jax.device_put(at(s + 1))
             if s == 1:
-                _ahead.stepping(True)  # the first step (and its compiles) is done
+                _ahead.stepping(True)
             yield batch
     finally:
         _ahead.stepping(False)

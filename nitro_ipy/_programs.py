@@ -28,7 +28,7 @@ import optax
 from ._cache import Key, arg_signature
 from ._checks import check_loss, check_metric_result
 from ._compile import OPTIMIZER_OPTIONS
-from ._guard import decide, masked_updates, parts, select
+from ._guard import decide, gated, parts
 from ._model import EVAL_KEY_SEED, forward_result, step_key
 
 
@@ -87,19 +87,21 @@ def make_gradient(view_of, forward, loss, input_names, target_names, model, accu
 def make_optimizer(view_of, optimizer, model, halt: bool = True):
     split, layout = model.split, model.layout
 
-    def update(params, flat_grads, opt_state, dev, loss, guard):
+    def step(params, flat_grads, opt_state, dev):
         tx = optimizer(view_of(dev))
         trainable = split.trainable(params)
         # The flat params are only built for an optimizer that reads them (weight decay, say): for one
         # that does not, XLA drops the concatenation, and a step never copies the whole model. The
         # updates are then added array by array, exactly as `apply_updates` on the flat buffer would.
         updates, new_state = tx.update(flat_grads, opt_state, layout.ravel(trainable))
+        return split.with_trainable(params, optax.apply_updates(trainable, layout.unravel(updates))), new_state
+
+    def update(params, flat_grads, opt_state, dev, loss, guard):
         # A non-finite loss, gradient or Device value keeps the old buffers (`_guard`): checked here,
         # where params and state are donated, so no step ever syncs with the host to find out.
         apply, guard = decide(guard, parts(loss, flat_grads, dev), halt)
-        updates = masked_updates(apply, updates)
-        new_params = split.with_trainable(params, optax.apply_updates(trainable, layout.unravel(updates)))
-        return new_params, select(apply, new_state, opt_state), guard
+        new_params, new_state = gated(apply, step, params, flat_grads, opt_state, dev)
+        return new_params, new_state, guard
 
     return update
 

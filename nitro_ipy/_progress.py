@@ -77,15 +77,15 @@ class Progress:
         self._last = (self.n.step, time.perf_counter())
         self.front.begin_epoch(self)
 
-    def sync(self, values) -> None:
-        """A sync point: `values`, the losses since the last one (host floats)."""
+    def sync(self, loss: float) -> None:
+        """A sync point: `loss`, the mean finite loss of the steps since the last one."""
         now, step = time.perf_counter(), self.n.step
         last_step, last_t = self._last
         if now > last_t and step > last_step:
             self.rate = (step - last_step) / (now - last_t)
         self._last = (step, now)
         self.done = step - self._start_step
-        self.loss = float(sum(values) / len(values))
+        self.loss = float(loss)
         x = self.first_epoch + self.epoch - 1 + self.done / self.steps
         self.train_points.append((x, self.loss))
         self.front.update(self)

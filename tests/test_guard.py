@@ -165,3 +165,63 @@ def test_rebuild_keeps_the_mode_and_training_continues_after_a_raise():
     m = n.rebuild()
     assert m.step == 2 and m.on_nonfinite == "raise"
     assert_tree_equal(jax.device_get(m.params), kept)
+
+
+def _observed_losses(n):
+    """Wrap the handle's gradient program (the real compiled one) so each step's loss is kept, as the
+    loop used to keep them on the host."""
+    seen = []
+    entry = next(e for e in n._programs.values() if e.kind == "grad")
+    real = entry.call
+
+    def call(*args):
+        out = real(*args)
+        seen.append(float(out[1]))
+        return out
+
+    entry.call = call
+    return seen, lambda: setattr(entry, "call", real)
+
+
+@pytest.mark.parametrize("mode", ["raise", "skip"])
+def test_the_epoch_loss_is_the_mean_of_its_finite_step_losses(mode):
+    """The loss is summed on device into the guard (`_guard.loss_sum`): the epoch row's loss is the
+    float64 mean of the steps' finite losses, skipped inf/NaN losses left out."""
+    clean = _data(80)
+    data = clean
+    if mode == "skip":
+        data = {k: v.copy() for k, v in clean.items()}
+        data["y"][row_of_step(80, 3, epoch=1)] = np.inf
+        data["x"][row_of_step(80, 7, epoch=1), 0] = np.nan
+    n = Nitro(Reg(), data={"train": data}, batch_size=BS, progress=True, on_nonfinite=mode)
+    n.train()  # epoch 0 compiles (and, with "skip", its rows land elsewhere in the shuffle)
+    seen, restore = _observed_losses(n)
+    try:
+        row = n.train()[0]
+    finally:
+        restore()
+    assert len(seen) == 10
+    finite = [v for v in seen if np.isfinite(v)]
+    if mode == "skip":
+        assert row["skipped"] == 2 and len(finite) == 8
+    assert row["loss"] == pytest.approx(np.mean(np.asarray(finite, np.float64)), rel=1e-6)
+
+
+def test_the_guard_sums_losses_compensated_and_skips_non_finite_ones():
+    """10 000 small losses after a large one: a plain float32 running sum loses 2% of them, the guard's
+    compensated sum none; a NaN and an inf are not counted."""
+    from nitro_ipy import _guard
+
+    losses = np.array([1e4] + [1e-3] * 10_000 + [np.nan, np.inf], np.float32)
+
+    @jax.jit
+    def run(guard, losses):
+        def one(g, loss):
+            return _guard.decide(g, [loss], halt=False)[1], None
+        return jax.lax.scan(one, guard, losses)[0]
+
+    guard = jax.device_get(run(jnp.asarray(_guard.fresh(1)), losses))
+    total, count = _guard.loss_sum(guard)
+    assert count == 10_001 and _guard.bad_steps(guard) == 2
+    assert total == pytest.approx(1e4 + 10.0, abs=1e-3)
+    assert float(np.cumsum(losses[:-2], dtype=np.float32)[-1]) < 1e4 + 9.9  # what a plain sum would give
