@@ -53,6 +53,9 @@ def run_page(path: Path) -> int:
     finally:
         if saved is not None:
             sys.modules["__main__"] = saved
+        # The page's classes and functions hold this dict through their globals, a cycle only `gc`
+        # breaks: clear it, so the page's handles and their programs go now, not in a later test's scan.
+        module.__dict__.clear()
     return ran
 
 
