@@ -1,6 +1,7 @@
 """Checkpoints: `n.save(path)`, `Nitro(e, resume=path | "auto")`, and periodic saves with retention.
 
-A checkpoint is one `.npz` file written atomically (temp file + `os.replace`): every array of the handle's
+A checkpoint is one `.npz` file written atomically (temp file, fsync, `os.replace`, directory fsync) by a
+background writer once the state is on the host (`snapshot`, then `commit`): every array of the handle's
 state (`handle_state`: params, model state, optimizer state), and a JSON manifest of the experiment
 (GraphConst fingerprints and reprs, Device and Host values, hook fingerprints, versions), the training
 position (step, epoch, seed: the data order of epoch k is `(seed, k)`, so a resumed run continues the same
@@ -14,12 +15,15 @@ Resuming refuses a GraphConst change (the programs, and the parameter shapes, de
 field-level diff, and lists changed Device/Host fields and edited hooks without refusing.
 """
 
+import atexit
 import functools
 import glob
 import json
 import os
 import re
+import sys
 import tempfile
+import threading
 
 import jax
 import numpy as np
@@ -117,6 +121,8 @@ def manifest(n) -> dict:
         "step": int(n.step),
         "epoch": int(n.epoch),
         "seed": int(n.seed),
+        # An epoch cut short: its steps taken and their loss sum and count (a resume goes on there).
+        "cursor": [int(n._cursor[0]), float(n._cursor[1]), int(n._cursor[2])],
         "batch_size": n.batch_size,
         "accum": n.accum,
         "history": _jsonable(n.history),
@@ -135,38 +141,52 @@ def _jsonable(x):
 
 
 # ---------------------------------------------------------------- writing
-def _leaves(tree) -> tuple[list, str]:
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return [np.asarray(x) for x in jax.device_get(leaves)], str(treedef)
+_DTYPE_NAMES: dict = {}  # dtype -> its name (`str(dtype)` is Python code in numpy, paid per array)
 
 
-def save(n, path) -> str:
-    """Write handle `n`'s checkpoint to `path` (a file; a directory gets `step-<step>.nitro.npz` inside).
+def _dtype_name(dt) -> str:
+    name = _DTYPE_NAMES.get(dt)
+    if name is None:
+        name = _DTYPE_NAMES[dt] = str(dt)
+    return name
 
-    **Returns:** the file written."""
-    path = os.fspath(path)
-    if os.path.isdir(path) or path.endswith(os.sep):
-        path = os.path.join(path, f"step-{int(n.step):08d}{SUFFIX}")
-    elif not path.endswith(".npz"):
-        path += SUFFIX
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+def snapshot(n) -> tuple[dict, bytes]:
+    """`(manifest, data)`: handle `n`'s manifest (with the array layout) and every array's bytes, copied
+    to the host now. This is the part of a save the training loop waits for: the next step may donate
+    the device buffers, so the bytes are taken here; the file is written afterwards (`commit`).
+
+    Every array's bytes go in one buffer (a zip member per array costs more than the arrays, at 250 small
+    ones); dtype, shape and offset of each are in the manifest. bfloat16 and other ml_dtypes need no .npy
+    form this way either."""
     info = manifest(n)
-    # Every array's bytes in one buffer (a zip member per array costs more than the arrays, at 250 small
-    # ones); dtype, shape and offset of each are in the manifest. bfloat16 and other ml_dtypes need no
-    # .npy form this way either.
+    groups = [(group, jax.tree_util.tree_flatten(tree)) for group, tree in handle_state(n).items()]
+    if jax.default_backend() != "cpu":  # every transfer under way before the first one is waited for
+        for _, (leaves, _) in groups:
+            for x in leaves:
+                if hasattr(x, "copy_to_host_async"):
+                    x.copy_to_host_async()
     chunks, layout, offset = [], {}, 0
-    for group, tree in handle_state(n).items():
-        leaves, treedef = _leaves(tree)
+    for group, (leaves, treedef) in groups:
         entries = []
-        for a in leaves:
-            entries.append([str(a.dtype), list(a.shape), offset])
-            chunks.append(a.tobytes())
+        for x in leaves:
+            a = np.asarray(x)  # on CPU a view of the device buffer: `join` below is the one copy
+            entries.append([_dtype_name(a.dtype), list(a.shape), offset])
+            chunks.append(a.reshape(-1).view(np.uint8) if a.ndim and a.flags.c_contiguous else a.tobytes())
             offset += a.nbytes
-        layout[group] = {"treedef": treedef, "leaves": entries}
+        layout[group] = {"treedef": str(treedef), "leaves": entries}
     info["layout"] = layout
-    arrays = {"data": np.frombuffer(b"".join(chunks), np.uint8),
+    return info, b"".join(chunks)
+
+
+def commit(path: str, info: dict, data: bytes) -> None:
+    """Write a snapshot to `path` durably and atomically: a temp file in the same directory, fsync'ed,
+    renamed over `path`, then the directory fsync'ed (so the rename itself survives a power cut). A
+    crash at any point leaves `path` either absent or its previous content, never a partial file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    arrays = {"data": np.frombuffer(data, np.uint8),
               _MANIFEST: np.frombuffer(json.dumps(info, sort_keys=True).encode(), np.uint8)}
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-", suffix=".part")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".part")
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays)
@@ -177,12 +197,91 @@ def save(n, path) -> str:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    try:
+        dfd = os.open(directory, os.O_RDONLY)
+    except OSError:  # a platform without directory handles (Windows): the rename is what it offers
+        return
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+class _Writer:
+    """Commits checkpoints in a background thread, one at a time, in order.
+
+    `save` hands its snapshot here and returns: the file write and the fsyncs (most of a save's cost)
+    overlap the next steps. A commit is awaited before the next one starts, before any checkpoint is
+    read or listed here (`read`, `newest`), by `n.save(path, wait=True)`, and at interpreter exit (the
+    thread is not a daemon), so a checkpoint is never lost to a normal exit or a kernel restart. A
+    failed commit is raised by the next save or wait (and printed at exit if nothing waited)."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, path: str, info: dict, data: bytes, then=None) -> None:
+        with self._lock:
+            self.wait()
+            self._thread = threading.Thread(target=self._run, args=(path, info, data, then),
+                                            name="nitro_ipy checkpoint writer", daemon=False)
+            self._thread.start()
+
+    def _run(self, path, info, data, then):
+        try:
+            commit(path, info, data)
+            if then is not None:
+                then()
+        except BaseException as err:  # raised by whoever waits next
+            self._error = err
+
+    def wait(self) -> None:
+        """Until the pending commit is on disk; raises what it raised."""
+        t = self._thread
+        if t is not None:
+            t.join()
+            self._thread = None
+        err, self._error = self._error, None
+        if err is not None:
+            raise NitroValueError(f"a checkpoint could not be written ({type(err).__name__}: {err}).") from err
+
+    def _at_exit(self):
+        try:
+            self.wait()
+        except NitroValueError as err:
+            print(f"nitro_ipy: {err}", file=sys.stderr)
+
+
+_writer = _Writer()
+atexit.register(_writer._at_exit)
+wait = _writer.wait
+
+
+def save(n, path, *, wait: bool = False, then=None) -> str:
+    """Write handle `n`'s checkpoint to `path` (a file; a directory gets `step-<step>.nitro.npz` inside).
+
+    The state is copied to the host before this returns; the file is committed in the background
+    (`_Writer`) unless `wait=True`. `then()` runs after the commit, in the writer (retention).
+
+    **Returns:** the file (being) written."""
+    path = os.fspath(path)
+    if os.path.isdir(path) or path.endswith(os.sep):
+        path = os.path.join(path, f"step-{int(n.step):08d}{SUFFIX}")
+    elif not path.endswith(".npz"):
+        path += SUFFIX
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    info, data = snapshot(n)
+    _writer.submit(os.path.abspath(path), info, data, then)
+    if wait:
+        _writer.wait()
     return path
 
 
 # ---------------------------------------------------------------- reading
 def newest(directory) -> str | None:
     """The newest checkpoint in `directory` (highest step, then latest written), or None."""
+    _writer.wait()
     files = glob.glob(os.path.join(os.fspath(directory), "*" + SUFFIX))
     if not files:
         return None
@@ -197,6 +296,7 @@ def _step_of(path: str) -> int:
 def read(path) -> tuple[dict, dict]:
     """`(manifest, {group: [arrays]})` of a checkpoint file, or a `NitroValueError` saying what is wrong."""
     path = os.fspath(path)
+    _writer.wait()
     try:
         with np.load(path, allow_pickle=False) as z:
             info = json.loads(bytes(z[_MANIFEST]).decode())
@@ -288,6 +388,8 @@ def restore(n, path) -> None:
         state[group] = None if tree is None else n._place.like(jax.tree_util.tree_unflatten(treedef, arrays), tree)
     set_handle_state(n, state)
     n.step, n.epoch, n.seed = info["step"], info["epoch"], info["seed"]
+    pos, total, count = info.get("cursor", (0, 0.0, 0))
+    n._cursor = (int(pos), float(total), int(count))
     n.history.clear()  # the handle's own history object (a list of rows), refilled
     n.history.extend(info.get("history", []))
     _report.emit(Kind.RESUMED, path=str(path), step=n.step, epoch=n.epoch, notes=tuple(notes))
@@ -315,9 +417,8 @@ class Policy:
     def after_epoch(self, n) -> str | None:
         if n.epoch % self.every:
             return None
-        path = save(n, os.path.join(self.directory, f"step-{int(n.step):08d}{SUFFIX}"))
-        self.retain()
-        return path
+        # Retention runs in the writer, after the commit: the loop waits for the host copy only.
+        return save(n, os.path.join(self.directory, f"step-{int(n.step):08d}{SUFFIX}"), then=self.retain)
 
     def retain(self) -> None:
         files = sorted(glob.glob(os.path.join(self.directory, "*" + SUFFIX)), key=_step_of)

@@ -180,6 +180,9 @@ class Nitro:
         else:
             self._seed_step = lambda step: np.array([self.seed, step], np.uint32)
 
+        # Where an epoch an interrupt cut short stopped: (its steps taken, their loss sum and count); the
+        # next train() goes on from there (`_loop.train_epoch`). (0, 0.0, 0) at an epoch boundary.
+        self._cursor = (0, 0.0, 0)
         self._programs: dict = {}  # key -> Entry: what this handle runs (kept even if poisoned)
         self._progress = None  # the running train() call's `_progress.Progress`, read by the step loop
         self._curve: list = []  # (epoch position, train loss) at sync points: the chart of the panel and `plot()`
@@ -209,11 +212,15 @@ class Nitro:
         """The optimizer state (over the flat parameter buffers unless `flat_params=False`)."""
         return self._opt_state
 
-    def save(self, path) -> str:
-        """Write a checkpoint (params, model and optimizer state, step, epoch, seed, history and the
-        experiment's manifest) to `path`, atomically; a directory gets `step-<step>.nitro.npz`.
-        Resume it with `Nitro(e, resume=path)`. Returns the file written."""
-        return _checkpoint.save(self, path)
+    def save(self, path, *, wait: bool = False) -> str:
+        """Write a checkpoint (params, model and optimizer state, step, epoch, seed, the position in a cut
+        epoch, history and the experiment's manifest) to `path`, atomically; a directory gets
+        `step-<step>.nitro.npz`. Resume it with `Nitro(e, resume=path)`. Returns the file's path.
+
+        The state is copied off the device before this returns; the file is written and fsync'ed in the
+        background (`wait=True`: before this returns). nitro_ipy waits for it before the next save,
+        before reading a checkpoint and at exit (a kernel restart included)."""
+        return _checkpoint.save(self, path, wait=wait)
 
     def rebuild(self, e=None) -> "Nitro":
         """A new handle with the current params, model state and optimizer state carried over and hooks
@@ -227,6 +234,7 @@ class Nitro:
         carry = (self.params, self._model_state, self._opt_state, self.step, self.epoch)
         new = Nitro._carrying(self.experiment if e is None else e, self._options, carry)
         new._curve = list(self._curve)  # the loss chart goes on where it was
+        new._cursor = self._cursor  # and a cut epoch where it stopped
         return new
 
     def __repr__(self):
@@ -335,6 +343,8 @@ class Nitro:
             raise
         finally:
             self._progress = None
+        if self._checkpoints is not None:  # the last periodic checkpoint is on disk when train() returns
+            _checkpoint.wait()
         if progress is not None:
             progress.close()
         return rows

@@ -78,7 +78,15 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
     optimizer program has kept the parameters of the last finite step (`_guard`).
     """
     place = n._place  # on a mesh, each batch is split along the data axis as it is drawn
-    batches = place.batches(train_batches(split, fields, n.batch_size, n.accum, (n.seed, n.epoch)), n.accum > 1)
+    # An epoch an interrupt cut short goes on at its next batch, with the losses it had: an interrupted
+    # (or checkpointed mid-epoch and resumed) run takes the uninterrupted run's steps, in its order.
+    start, total, n_loss = n._cursor if n._cursor[0] <= steps else (0, 0.0, 0)
+    n._cursor = (start, total, n_loss)  # read by `nonfinite_error` while the epoch runs
+    if start == steps:  # every step was taken, the epoch not counted yet (Ctrl-C after its last step)
+        n._cursor = (0, 0.0, 0)
+        return total / max(n_loss, 1), 0
+    batches = place.batches(train_batches(split, fields, n.batch_size, n.accum, (n.seed, n.epoch), start),
+                            n.accum > 1)
     step0 = n.step
     # The guard is a tiny int32 vector: replicated on a mesh, like every scalar the programs take.
     n._guard = place.replicate(_guard.fresh(_guard.n_parts(n._layout, n._model.split.trainable(n._params), n._dev)))
@@ -88,7 +96,7 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
     schedules, apply_schedules = binding.schedules, place.schedules(binding.apply_schedules)
     dev = n._dev  # schedules set its values in place, so the programs see them through this one dict
     gate = InterruptGate() if gate is None else gate
-    losses, total, n_loss = [], 0.0, 0
+    losses = []
     reused, grad, opt = 0, None, None  # steady-state steps that reused the resolved programs
     try:
         with gate.installed():
@@ -124,15 +132,15 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
                     gate.defer = False  # nothing is donated yet, and a compile may follow
                     grad, opt, loss = keyed_step(n, batch, gate)
                 n.step += 1
-                gate.defer = False
-                append(loss)
-                if perf_counter() > next_sync:
+                append(loss)  # before Ctrl-C may land: a cut epoch keeps one loss per step taken
+                if perf_counter() > next_sync:  # Ctrl-C still held: the losses are folded in exactly once
                     total, n_loss = check_losses(n, losses, total, n_loss, bar, step0, split, fields)
                     losses.clear()
                     count_reuse(grad, opt, reused)
                     reused = 0
                     _cache.publish("progress")  # the live panel, never per step
                     next_sync = perf_counter() + _SYNC_SECONDS
+                gate.defer = False
             if gate.pending and gate.cuts_epoch():
                 raise KeyboardInterrupt
             total, n_loss = check_losses(n, losses, total, n_loss, bar, step0, split, fields)
@@ -140,7 +148,9 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
     finally:
         count_reuse(grad, opt, reused)
         if not settled:  # Ctrl-C or an error: a bad step before it still counts as not applied
-            settle(n, step0)
+            total, n_loss = settle(n, step0, losses, total, n_loss)
+            n._cursor = (start + n.step - step0, total, n_loss)
+    n._cursor = (0, 0.0, 0)
     skipped = _guard.bad_steps(jax.device_get(n._guard))
     return total / max(n_loss, 1), skipped
 
@@ -189,8 +199,9 @@ def nonfinite_error(n, guard, step0: int, split: dict, fields) -> NonFiniteLossE
     n.step = step0 + _guard.first_bad(guard)
     binding = n._binding
 
-    def batch_at(index):
-        for i, batch in enumerate(train_batches(split, fields, n.batch_size, n.accum, (n.seed, n.epoch))):
+    def batch_at(index):  # `index` counts from the step the epoch (or what is left of it) began at
+        start = n._cursor[0]
+        for i, batch in enumerate(train_batches(split, fields, n.batch_size, n.accum, (n.seed, n.epoch), start)):
             if i == index:
                 return batch
 
@@ -210,18 +221,28 @@ def nonfinite_error(n, guard, step0: int, split: dict, fields) -> NonFiniteLossE
     return _guard.diagnose(n, guard, step0, batch_at, dev_at, regrad)
 
 
-def settle(n, step0: int):
+def settle(n, step0: int, losses: list, total: float, count: int) -> tuple:
     """After Ctrl-C or an error: with `on_nonfinite="raise"`, a bad step the loop had not seen yet
-    still ends the handle at the last finite step (the programs applied nothing after it)."""
+    still ends the handle at the last finite step (the programs applied nothing after it).
+
+    **Returns:** `(total, count)` with the finite losses of the steps kept folded in (what the rest of
+    the epoch starts from); `losses` holds the losses since the last sync, one per step taken."""
+    taken = n.step  # the steps taken; `losses` are the last of them
     guard = getattr(n, "_guard", None)
-    if n.on_nonfinite != "raise" or guard is None:
-        return
+    if n.on_nonfinite == "raise" and guard is not None:
+        try:
+            guard = jax.device_get(guard)
+        except Exception:  # a guard donated to a step that never finished: nothing was applied either
+            guard = None
+        if guard is not None and _guard.bad_steps(guard):
+            n.step = step0 + _guard.first_bad(guard)
+    kept = losses[: max(0, len(losses) - (taken - n.step))]
     try:
-        guard = jax.device_get(guard)
-    except Exception:  # a guard donated to a step that never finished: nothing was applied either
-        return
-    if _guard.bad_steps(guard):
-        n.step = step0 + _guard.first_bad(guard)
+        values = np.asarray(jax.device_get(kept), dtype=np.float64)
+    except Exception:  # a loss of a step that failed: the epoch's mean goes on from the synced ones
+        return total, count
+    values = values[np.isfinite(values)]
+    return total + float(values.sum()), count + len(values)
 
 
 def count_reuse(grad, opt, steps: int):

@@ -17,8 +17,9 @@ from . import _ahead
 from ._data import split_len
 
 
-def train_batches(split: dict, fields, batch_size: int, accum: int, epoch_seed):
-    """The batches of `_data.train_batches` (same order, same shapes), each already on the device."""
+def train_batches(split: dict, fields, batch_size: int, accum: int, epoch_seed, start: int = 0):
+    """The batches of `_data.train_batches` (same order, same shapes), each already on the device, from
+    the `start`-th on (an epoch an interrupt cut short goes on where it stopped, in the same order)."""
     n = split_len(split)
     per_step = batch_size * accum
     steps = n // per_step
@@ -34,13 +35,15 @@ def train_batches(split: dict, fields, batch_size: int, accum: int, epoch_seed):
     views = [shaped[f] for f in fields]
     at = lambda s: dict(zip(fields, [v[s] for v in views]))
     put = jax.device_put if jax.default_backend() != "cpu" else (lambda batch: batch)
-    ahead = put(at(0))
+    if start >= steps:
+        return
+    ahead = put(at(start))
     try:
-        for s in range(steps):
+        for s in range(start, steps):
             batch = ahead
             if s + 1 < steps:  # the next batch's transfer starts before this step is dispatched
                 ahead = put(at(s + 1))
-            if s == 1:
+            if s == start + 1:
                 _ahead.stepping(True)  # the first step (and its compiles) is done
             yield batch
     finally:

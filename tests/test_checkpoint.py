@@ -6,9 +6,11 @@ Cost: one child process (about 4 s); the rest trains tiny models in this process
 
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -144,6 +146,53 @@ def test_periodic_checkpoints_keep_the_newest_and_the_best(tmp_path):
     auto = _handle(checkpoint_dir=d, resume="auto")
     assert (auto.step, auto.epoch) == (20, 4) and _equal(auto.params, n.params)
     assert _handle(checkpoint_dir=tmp_path / "empty", resume="auto").step == 0  # nothing yet: a fresh start
+
+
+@dataclasses.dataclass
+class Noisy(Tiny):
+    """Tiny with a draw from the step's rng in every step: a resume must continue the rng stream too."""
+
+    def forward(self, params, *, x, rng):
+        return jnp.tanh((x + 0.3 * jax.random.normal(rng, x.shape)) @ params["w1"]) @ params["w2"]
+
+
+def _ctrl_c_at(step):
+    """A schedule of `lr` that presses Ctrl-C (a real SIGINT), once, while global step `step` is dispatched."""
+    pressed = []
+
+    def lr(s):
+        if s == step and not pressed:
+            pressed.append(s)
+            t = threading.Timer(0, os.kill, (os.getpid(), signal.SIGINT))
+            t.start()
+            t.join()
+        return 1e-2
+    return lr
+
+
+# Global steps (5 a epoch): the first step of all, mid-epoch 2, the last step of epoch 1 (all its steps
+# taken, the epoch not counted: Ctrl-C cuts it before validation), the first step of epoch 3.
+@pytest.mark.parametrize("at", [0, 7, 4, 10])
+def test_a_run_cut_mid_epoch_and_resumed_equals_an_uninterrupted_one(tmp_path, at):
+    straight = _handle(Noisy(), schedules={"lr": lambda s: 1e-2})
+    straight.train(3)
+    cut = _handle(Noisy(), schedules={"lr": _ctrl_c_at(at)})
+    with pytest.raises(nitro_ipy.TrainingInterrupted):
+        cut.train(3)
+    taken = at + 1 if at % 5 else at  # Ctrl-C in an epoch's first step lands before it (its schedule runs first)
+    assert (cut.step, cut.epoch) == (taken, at // 5)
+    path = cut.save(tmp_path / "mid")  # a checkpoint in the middle of an epoch
+    resumed = _handle(Noisy(), schedules={"lr": lambda s: 1e-2}, resume=path)
+    assert (resumed.step, resumed.epoch) == (cut.step, cut.epoch)
+    resumed.train(3 - resumed.epoch)
+    cut.train(3 - cut.epoch)  # and in this process: the next train() goes on where Ctrl-C stopped it
+    for n in (resumed, cut):
+        assert (n.step, n.epoch) == (15, 3)
+        assert _equal(n.params, straight.params) and _equal(n.state, straight.state)
+        assert [r["epoch"] for r in n.history] == [1, 2, 3]
+        for got, want in zip(n.history, straight.history):  # a cut epoch's mean loss spans both parts
+            assert got.keys() == want.keys()
+            assert all(got[k] == pytest.approx(want[k], rel=1e-12) for k in got)
 
 
 @pytest.mark.parametrize("kw, match", [
