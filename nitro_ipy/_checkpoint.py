@@ -20,6 +20,7 @@ import functools
 import glob
 import json
 import os
+import queue
 import re
 import sys
 import tempfile
@@ -211,37 +212,47 @@ class _Writer:
     """Commits checkpoints in a background thread, one at a time, in order.
 
     `save` hands its snapshot here and returns: the file write and the fsyncs (most of a save's cost)
-    overlap the next steps. A commit is awaited before the next one starts, before any checkpoint is
-    read or listed here (`read`, `newest`), by `n.save(path, wait=True)`, and at interpreter exit (the
-    thread is not a daemon), so a checkpoint is never lost to a normal exit or a kernel restart. A
-    failed commit is raised by the next save or wait (and printed at exit if nothing waited)."""
+    overlap the next steps. A commit is awaited before the next one is handed over, before any
+    checkpoint is read or listed here (`read`, `newest`), by `n.save(path, wait=True)`, at the end of a
+    `train()` that checkpoints, and at interpreter exit (`atexit`, which a kernel restart runs), so a
+    checkpoint is never lost to a normal exit. A failed commit is raised by the next save or wait (and
+    printed at exit if nothing waited).
+
+    The thread lives as long as the process and takes jobs from a queue: handing one over never waits
+    for a new thread to be scheduled (on a loaded machine that alone took milliseconds)."""
 
     def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._idle = threading.Event()
+        self._idle.set()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
 
     def submit(self, path: str, info: dict, data: bytes, then=None) -> None:
         with self._lock:
             self.wait()
-            self._thread = threading.Thread(target=self._run, args=(path, info, data, then),
-                                            name="nitro_ipy checkpoint writer", daemon=False)
-            self._thread.start()
+            if self._thread is None or not self._thread.is_alive():  # the first save (or after a fork)
+                self._thread = threading.Thread(target=self._loop, name="nitro_ipy checkpoint writer", daemon=True)
+                self._thread.start()
+            self._idle.clear()
+            self._jobs.put((path, info, data, then))
 
-    def _run(self, path, info, data, then):
-        try:
-            commit(path, info, data)
-            if then is not None:
-                then()
-        except BaseException as err:  # raised by whoever waits next
-            self._error = err
+    def _loop(self):
+        while True:
+            path, info, data, then = self._jobs.get()
+            try:
+                commit(path, info, data)
+                if then is not None:
+                    then()
+            except BaseException as err:  # raised by whoever waits next
+                self._error = err
+            finally:
+                self._idle.set()
 
     def wait(self) -> None:
         """Until the pending commit is on disk; raises what it raised."""
-        t = self._thread
-        if t is not None:
-            t.join()
-            self._thread = None
+        self._idle.wait()
         err, self._error = self._error, None
         if err is not None:
             raise NitroValueError(f"a checkpoint could not be written ({type(err).__name__}: {err}).") from err
