@@ -120,8 +120,14 @@ def test_a_background_run_leaves_the_kernel_free_and_stops_from_a_button(kernel)
     assert kernel.value("[m.kind for m in run.messages]") == ["compile", "compile"]
     out = kernel.run("stop = widgets.Button(description='Stop')\nstop.on_click(lambda _: run.stop())\n"
                      "print(stop.model_id)\nsteer.go.set()\n")
-    # The run trains on (100000 epochs) while no cell runs; a click, as a front end sends it, stops it.
-    kernel.send_comm(_stream(out).split()[0], {"method": "custom", "content": {"event": "click"}})
+    button = _stream(out).split()[0]
+    # The run trains on (100000 epochs) while cells run: this one waits for its first validated epoch
+    # (so the eval program is compiled whatever the load), then a click, as a front end sends it, stops it.
+    out = kernel.run("import time\nt0 = time.monotonic()\n"
+                     "while n.epoch < 1 and time.monotonic() - t0 < 60:\n    time.sleep(0.005)\n"
+                     "print(n.epoch >= 1, run.status)\n")
+    assert _stream(out) == "True running\n"
+    kernel.send_comm(button, {"method": "custom", "content": {"event": "click"}})
     out = kernel.run("rows = run.wait(timeout=60)\n"
                      "print(run.status, len(rows) == n.epoch == len(n.history), 0 <= n.step - 3 * n.epoch < 3)\n")
     lines = _stream(out).splitlines()
