@@ -7,9 +7,10 @@ state (`handle_state`: params, model state, optimizer state), and a JSON manifes
 position (step, epoch, seed: the data order of epoch k is `(seed, k)`, so a resumed run continues the same
 stream) and the history. No pickle: a checkpoint is arrays and JSON.
 
-Why not orbax-checkpoint: on the 120-layer MLP's state (726 small arrays) a `StandardCheckpointer` save
-took 1.3-2.4 s here and its import 0.7 s, against 0.07 s for this format; an epoch of that model takes
-well under a second, and the target is a save under 10% of an epoch.
+Why not orbax-checkpoint: on the 120-layer MLP's state (245 small arrays) orbax 0.12.8's asynchronous
+`StandardCheckpointer` held the caller 348 ms per save and committed in 1.5 s (its import: 1.9 s),
+against 3 ms and 35 ms here; an epoch of that model takes well under a second, and the target is a save
+under 10% of an epoch (docs/persistence.md).
 
 Resuming refuses a GraphConst change (the programs, and the parameter shapes, depend on it) with the
 field-level diff, and lists changed Device/Host fields and edited hooks without refusing.
@@ -34,6 +35,7 @@ from ._errors import NitroValueError
 from ._fields import short_repr
 from ._fingerprint import Unfingerprintable, fingerprint
 from ._report import Kind
+from ._sharding import is_main_process
 
 FORMAT = 1
 SUFFIX = ".nitro.npz"
@@ -161,7 +163,12 @@ def snapshot(n) -> tuple[dict, bytes]:
     ones); dtype, shape and offset of each are in the manifest. bfloat16 and other ml_dtypes need no .npy
     form this way either."""
     info = manifest(n)
-    groups = [(group, jax.tree_util.tree_flatten(tree)) for group, tree in handle_state(n).items()]
+    place = n._place
+    if getattr(place, "multi_process", False):  # under jax.distributed: arrays split over processes gathered
+        groups = [(group, (jax.tree_util.tree_leaves(place.host(tree)), jax.tree_util.tree_structure(tree)))
+                  for group, tree in handle_state(n).items()]  # (a collective: every process saves)
+    else:
+        groups = [(group, jax.tree_util.tree_flatten(tree)) for group, tree in handle_state(n).items()]
     if jax.default_backend() != "cpu":  # every transfer under way before the first one is waited for
         for _, (leaves, _) in groups:
             for x in leaves:
@@ -281,8 +288,11 @@ def save(n, path, *, wait: bool = False, then=None) -> str:
         path = os.path.join(path, f"step-{int(n.step):08d}{SUFFIX}")
     elif not path.endswith(".npz"):
         path += SUFFIX
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if is_main_process():
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     info, data = snapshot(n)
+    if not is_main_process():  # under jax.distributed process 0 writes; the others took part in the gather
+        return path
     _writer.submit(os.path.abspath(path), info, data, then)
     if wait:
         _writer.wait()

@@ -314,3 +314,62 @@ def test_a_checkpoint_written_on_4_devices_resumes_on_1_and_back(tmp_path):
         _close(four_again[layout]["resumed"], four_again[layout]["straight"])
         _close(one[layout]["straight"], four_again[layout]["straight"])
     assert four_again["sharded"]["w1"] == "P(None, 'data')"  # placed as the live handle's rule says
+
+
+PROCESS_WORKER = """
+import json, sys
+pid, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+import jax
+from nitro_ipy._compat import CPU_COLLECTIVES_OPTION
+jax.config.update("jax_num_cpu_devices", 2)
+jax.config.update(CPU_COLLECTIVES_OPTION, "gloo")
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+import nitro_ipy, exp
+mesh = Mesh(np.array(jax.devices()), ("data",))  # 4 devices over 2 processes: w1 split across both
+n = nitro_ipy.Nitro(exp.Regression(), data=exp.data(), batch_size=32, max_epochs=1, mesh=mesh, progress=False,
+                    flat_params=False, param_sharding=lambda path, shape: P(None, "data") if path == "w1" else None,
+                    checkpoint_dir=f"{out_dir}/ckpt-{pid}", checkpoint_every=1)
+n.train()
+print(json.dumps({"addressable": n.params["w1"].is_fully_addressable, "step": n.step}))
+"""
+
+
+def test_a_checkpoint_of_two_processes_is_written_once_and_resumes_on_one_device(tmp_path):
+    from _modules import child_env, last_json
+    from test_sharding import EXPERIMENT, free_port
+
+    (tmp_path / "exp.py").write_text(EXPERIMENT)
+    (tmp_path / "worker.py").write_text(PROCESS_WORKER)
+    port, env = free_port(), child_env(tmp_path)
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(i), str(port), str(tmp_path)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    assert [last_json(o) for o, _ in outs] == [{"addressable": False, "step": 8}] * 2
+    written = sorted(p.name for p in (tmp_path / "ckpt-0").glob("*.nitro.npz"))
+    assert written == ["step-00000008.nitro.npz"] and not list((tmp_path / "ckpt-1").glob("*"))  # process 0 only
+    import importlib
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        exp = importlib.import_module("exp")
+        kw = dict(data=exp.data(), batch_size=32, max_epochs=2, progress=False, flat_params=False)
+        resumed = Nitro(exp.Regression(), resume=tmp_path / "ckpt-0" / written[0], **kw)
+        assert (resumed.step, resumed.epoch) == (8, 1)
+        resumed.train(1)
+        straight = Nitro(exp.Regression(), **kw)
+        straight.train(2)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("exp", None)
+    for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(straight.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # the 4-device epoch reduced in another order
+    assert [r["epoch"] for r in resumed.history] == [1, 2]
