@@ -233,7 +233,7 @@ class _Writer:
         self._thread: threading.Thread | None = None
         self._idle = threading.Event()
         self._idle.set()
-        self._error: BaseException | None = None
+        self._error: tuple | None = None  # (path, exception) of a failed commit
         self._lock = threading.Lock()
 
     def submit(self, path: str, info: dict, data: bytes, then=None) -> None:
@@ -253,16 +253,18 @@ class _Writer:
                 if then is not None:
                     then()
             except BaseException as err:  # raised by whoever waits next
-                self._error = err
+                self._error = (path, err)
             finally:
                 self._idle.set()
 
     def wait(self) -> None:
         """Until the pending commit is on disk; raises what it raised."""
         self._idle.wait()
-        err, self._error = self._error, None
-        if err is not None:
-            raise NitroValueError(f"a checkpoint could not be written ({type(err).__name__}: {err}).") from err
+        failed, self._error = self._error, None
+        if failed is not None:
+            path, err = failed
+            raise NitroValueError(f"the checkpoint `{path}` could not be written ({type(err).__name__}: {err}); "
+                                  f"the checkpoints written before it are whole.") from err
 
     def _at_exit(self):
         try:

@@ -96,7 +96,7 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
     schedules, apply_schedules = binding.schedules, place.schedules(binding.apply_schedules)
     dev = n._dev  # schedules set its values in place, so the programs see them through this one dict
     gate = InterruptGate() if gate is None else gate
-    losses = []
+    losses, synced = [], step0  # `losses`: one per step from step `synced` on, not folded in yet
     reused, grad, opt = 0, None, None  # steady-state steps that reused the resolved programs
     try:
         with gate.installed():
@@ -136,6 +136,7 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
                 if perf_counter() > next_sync:  # Ctrl-C still held: the losses are folded in exactly once
                     total, n_loss = check_losses(n, losses, total, n_loss, bar, step0, split, fields)
                     losses.clear()
+                    synced = n.step
                     count_reuse(grad, opt, reused)
                     reused = 0
                     _cache.publish("progress")  # the live panel, never per step
@@ -148,7 +149,7 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
     finally:
         count_reuse(grad, opt, reused)
         if not settled:  # Ctrl-C or an error: a bad step before it still counts as not applied
-            total, n_loss = settle(n, step0, losses, total, n_loss)
+            total, n_loss = settle(n, step0, losses[: max(0, n.step - synced)], total, n_loss)
             n._cursor = (start + n.step - step0, total, n_loss)
     n._cursor = (0, 0.0, 0)
     skipped = _guard.bad_steps(jax.device_get(n._guard))
@@ -226,8 +227,8 @@ def settle(n, step0: int, losses: list, total: float, count: int) -> tuple:
     still ends the handle at the last finite step (the programs applied nothing after it).
 
     **Returns:** `(total, count)` with the finite losses of the steps kept folded in (what the rest of
-    the epoch starts from); `losses` holds the losses since the last sync, one per step taken."""
-    taken = n.step  # the steps taken; `losses` are the last of them
+    the epoch starts from); `losses` holds those since the last sync, one per step from it."""
+    synced = n.step - len(losses)  # the step `losses` start at
     guard = getattr(n, "_guard", None)
     if n.on_nonfinite == "raise" and guard is not None:
         try:
@@ -236,7 +237,7 @@ def settle(n, step0: int, losses: list, total: float, count: int) -> tuple:
             guard = None
         if guard is not None and _guard.bad_steps(guard):
             n.step = step0 + _guard.first_bad(guard)
-    kept = losses[: max(0, len(losses) - (taken - n.step))]
+    kept = losses[: max(0, n.step - synced)]  # none of a step the guard took back
     try:
         values = np.asarray(jax.device_get(kept), dtype=np.float64)
     except Exception:  # a loss of a step that failed: the epoch's mean goes on from the synced ones

@@ -196,6 +196,21 @@ def test_a_run_cut_mid_epoch_and_resumed_equals_an_uninterrupted_one(tmp_path, a
             assert all(got[k] == pytest.approx(want[k], rel=1e-12) for k in got)
 
 
+def test_a_failed_background_write_is_raised_by_the_next_save_and_leaves_nothing_behind(tmp_path):
+    n = _handle()
+    n.train(1)
+    (tmp_path / "c.nitro.npz" / "in-the-way").mkdir(parents=True)  # a directory where the file goes
+    assert n.save(tmp_path / "c") == str(tmp_path / "c.nitro.npz")  # returns; the rename fails behind it
+    with pytest.raises(nitro_ipy.NitroValueError) as err:
+        n.save(tmp_path / "d")
+    assert str(err.value).startswith(f"the checkpoint `{tmp_path / 'c.nitro.npz'}` could not be written (")
+    assert str(err.value).endswith("; the checkpoints written before it are whole.")
+    assert not (tmp_path / "d.nitro.npz").exists()  # refused before it was taken
+    assert not list(tmp_path.glob(".tmp-*"))  # the failed write's temp file is gone
+    path = n.save(tmp_path / "e", wait=True)  # and saving works again, on disk when it returns
+    assert os.path.isfile(path) and _handle(resume=path).step == 5
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(checkpoint_every=1), r"`checkpoint_every=` needs `checkpoint_dir=`"),
     (dict(checkpoint_dir="x", checkpoint_every=0), r"`checkpoint_every` must be a positive number of epochs; got 0"),
