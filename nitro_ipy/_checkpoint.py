@@ -35,7 +35,7 @@ from ._errors import NitroValueError
 from ._fields import short_repr
 from ._fingerprint import Unfingerprintable, fingerprint
 from ._report import Kind
-from ._sharding import is_main_process
+from ._sharding import is_main_process, wait_for_all
 
 FORMAT = 1
 SUFFIX = ".nitro.npz"
@@ -282,7 +282,9 @@ def save(n, path, *, wait: bool = False, then=None) -> str:
     """Write handle `n`'s checkpoint to `path` (a file; a directory gets `step-<step>.nitro.npz` inside).
 
     The state is copied to the host before this returns; the file is committed in the background
-    (`_Writer`) unless `wait=True`. `then()` runs after the commit, in the writer (retention).
+    (`_Writer`) unless `wait=True`. `then()` runs after the commit, in the writer (retention). Under
+    `jax.distributed` every process calls it: all gather the arrays, process 0 writes, and each returns
+    once the file is there (no background commit: the other processes wait for it).
 
     **Returns:** the file (being) written."""
     path = os.fspath(path)
@@ -292,12 +294,14 @@ def save(n, path, *, wait: bool = False, then=None) -> str:
         path += SUFFIX
     if is_main_process():
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    info, data = snapshot(n)
-    if not is_main_process():  # under jax.distributed process 0 writes; the others took part in the gather
-        return path
-    _writer.submit(os.path.abspath(path), info, data, then)
-    if wait:
-        _writer.wait()
+    info, data = snapshot(n)  # under jax.distributed on every process: a sharded array needs them all
+    multi = jax.process_count() > 1
+    if is_main_process():  # process 0 writes (and prunes: `then`)
+        _writer.submit(os.path.abspath(path), info, data, then)
+        if wait or multi:
+            _writer.wait()
+    if multi:  # every process returns once the file is there, so each can resume from it
+        wait_for_all(f"nitro_ipy checkpoint at step {int(n.step)}")
     return path
 
 

@@ -25,7 +25,7 @@ from ._model import Model, ParamSplit, check_given, check_state, run_init, stron
 from ._optimizer import init_optimizer
 from ._programs import EVAL, GRAD, METRIC, OPT, PREDICT, make_predict, program_key
 from ._report import Kind
-from ._sharding import in_mesh, placement
+from ._sharding import in_mesh, pace, placement
 
 
 _strong = strong  # the name benchmarks/profile_handle.py imports
@@ -432,6 +432,7 @@ class Nitro:
                 _cache.count_hit(entry)
             outputs, loss_sum = entry.call(*args)
             loss_sums.append(loss_sum)
+            pace(loss_sums, place.ahead)  # a CPU mesh deadlocks when too many steps queue (`_sharding`)
             if not b.metrics:
                 continue
             if n_valid < self.batch_size:

@@ -115,6 +115,7 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
                 bar.begin_epoch()
             grad_call, opt_call, seed_step = grad.call, opt.call, n._seed_step
             append, perf_counter = losses.append, time.perf_counter
+            ahead = place.ahead  # 0, or how many steps this loop may run ahead of a CPU mesh (`_sharding.pace`)
             next_sync = perf_counter() + _SYNC_SECONDS
             for batch in batches:
                 if gate.pending:
@@ -133,6 +134,8 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
                     grad, opt, loss = keyed_step(n, batch, gate)
                 n.step += 1
                 append(loss)  # before Ctrl-C may land: a cut epoch keeps one loss per step taken
+                if ahead and len(losses) > ahead:
+                    losses[-ahead - 1].block_until_ready()
                 if perf_counter() > next_sync:  # Ctrl-C still held: the losses are folded in exactly once
                     total, n_loss = check_losses(n, losses, total, n_loss, bar, step0, split, fields)
                     losses.clear()

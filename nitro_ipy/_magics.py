@@ -121,8 +121,10 @@ class NitroMagics(Magics):
 
     def close(self) -> None:
         """Undo `start`: restore the previous message sink, close the panel, stop the watcher."""
-        if self.sink is not None and _report.sink() is self.sink:
-            _report.set_sink(self.previous_sink)
+        if self.sink is not None:
+            self.sink.close()
+            if _report.sink() is self.sink:
+                _report.set_sink(self.previous_sink)
         if self.panel is not None:
             self.panel.close()
         _watch.stop()
@@ -132,6 +134,8 @@ class NitroMagics(Magics):
     def pre_run_cell(self, info=None) -> None:
         try:
             _world.bump_world()
+            if self.sink is not None and self.sink.buttons:
+                self.sink.retire(moved_on=True)  # a button shown by an earlier cell can no longer be clicked
         except Exception as err:  # noqa: BLE001
             _note("the pre-cell hook", err)  # (the user-facing words predate the vocabulary)
 

@@ -20,13 +20,15 @@ A change of rule is a change to `_exclusions`, `_LIBRARY_PSEUDO_FILES` or `_GENE
 
 from __future__ import annotations
 
+import contextlib
 import os
 import site
 import sys
 import sysconfig
 import types
+import weakref
 
-from ._memo import Memo
+from ._memo import Memo, register
 
 __all__ = [
     "class_namespace",
@@ -190,14 +192,28 @@ def _methods(cls: type):
                     break
 
 
+# class -> the globals one of its own methods names (a method's `__globals__` never changes, and a
+# class keeps the methods it was defined with unless deleted): `live_class` asks after every cell.
+_class_globals: "weakref.WeakKeyDictionary[type, dict]" = weakref.WeakKeyDictionary()
+register(_class_globals.clear)  # `cache_reset()` lets go of the namespaces it holds
+
+
 def class_namespace(cls: type) -> dict | None:
     """The globals of the module `cls` was defined in.
 
     Its own methods know them, even in an IPython shell whose user namespace is not
     `sys.modules["__main__"]`; a class without methods falls back to `sys.modules[cls.__module__]`.
     """
+    try:
+        ns = _class_globals.get(cls)
+    except TypeError:  # a class that takes no weak reference
+        ns = None
+    if ns is not None:
+        return ns
     prefix = cls.__qualname__ + "."
     for fn in _methods(cls):
         if fn.__code__.co_qualname.startswith(prefix):
+            with contextlib.suppress(TypeError):
+                _class_globals[cls] = fn.__globals__
             return fn.__globals__
     return getattr(sys.modules.get(cls.__module__), "__dict__", None)

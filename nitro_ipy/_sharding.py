@@ -32,6 +32,15 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
+def wait_for_all(name: str) -> None:
+    """Under `jax.distributed`, return once every process got here (`name` tells the barrier apart);
+    at once in a single-process run. After process 0 wrote a file, so the others may read it."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
 def sharding_signature(sharding) -> str | None:
     """What a leaf's placement contributes to a program key: None on one device (the default placement),
     else the sharding and the ids of the devices it spans, in mesh order (two meshes of the same shape on
@@ -88,11 +97,36 @@ def placement(mesh=None, data_axis: str = "data", param_sharding=None):
     return Sharded(mesh, data_axis, param_sharding)
 
 
+# How many steps a loop may dispatch ahead of a multi-device CPU mesh before it waits for the step that
+# many back. XLA:CPU (jaxlib 0.10) deadlocks when a few dozen launches of programs with collectives
+# queue on simulated devices: three devices park in an all-reduce's rendezvous and the fourth never
+# joins (its launch waits for a slot the queued ones hold). A plain sharded `jax.jit` loop hangs the
+# same way; 16 steps ahead hung, 8 did not, in every trial on this 2-core machine. On the CPU, running
+# ahead buys nothing the devices can use (they share the host's cores), so the bound costs no speed.
+CPU_STEPS_AHEAD = 4
+
+
+def steps_ahead(mesh) -> int:
+    """The run-ahead bound of a loop over `mesh`'s programs: `CPU_STEPS_AHEAD` on a CPU mesh of more
+    than one device, else 0 (unbounded: accelerators queue work asynchronously as they should)."""
+    if mesh is None or mesh.devices.size < 2 or mesh.devices.flat[0].platform != "cpu":
+        return 0
+    return CPU_STEPS_AHEAD
+
+
+def pace(results: list, ahead: int):
+    """Wait for `results[-ahead - 1]` (a device value of an earlier step) when `ahead` is set and
+    there is one: a loop that calls this each step stays at most `ahead` steps ahead of the devices."""
+    if ahead and len(results) > ahead:
+        jax.block_until_ready(results[-ahead - 1])
+
+
 class SingleDevice:
     """No mesh: every answer is the one a handle gave before meshes existed."""
 
     mesh = None
     shards = False  # whether any parameter is split across devices
+    ahead = 0  # loops run ahead of the device unbounded
 
     def check_batch_size(self, batch_size: int):
         pass
@@ -169,6 +203,7 @@ class Sharded:
         self._batch = NamedSharding(mesh, PartitionSpec(data_axis))
         self._stacked = NamedSharding(mesh, PartitionSpec(None, data_axis))  # accum x batch x ...
         self.multi_process = jax.process_count() > 1
+        self.ahead = steps_ahead(mesh)  # how far a loop may run ahead of the devices (`pace`)
         self._param_shardings = None  # the params tree's shardings, once `params` has placed them
         self._local_rows: dict = {}  # (global shape, stacked) -> this process's rows of a batch
 
@@ -356,7 +391,9 @@ class Sharded:
         from jax.experimental import multihost_utils
 
         def get(leaf):
-            if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable and not leaf.is_fully_replicated:
+            if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+                if leaf.is_fully_replicated:  # every process holds it whole: its own copy, no collective
+                    return np.asarray(leaf.addressable_data(0))
                 return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
             return np.asarray(leaf)
 

@@ -46,6 +46,8 @@ _REFRESH_ON = frozenset({Kind.COMPILE, Kind.EPOCH, Kind.RECOMPILE_LOOP, Kind.STA
 
 REBUILD = "Rebuild handle"
 STOP = "Stop"
+RETIRED_NO_NAME = "no longer needed: no name holds that handle any more (it was rebuilt or dropped)"
+RETIRED_MOVED_ON = "not clicked before the next cell ran; to use the current code: `{name} = {name}.rebuild()`"
 _PREFIXES = ("nitro_ipy: ", "! ")
 
 
@@ -320,13 +322,30 @@ class RichSink:
             except Exception as err:  # noqa: BLE001 - the panel is a nicety, the message was shown
                 print(f"nitro_ipy: the panel failed to update ({type(err).__name__}: {err})")
 
-    def retire(self) -> None:
+    def retire(self, moved_on: bool = False) -> None:
         """After each cell: a Rebuild button whose handle no name holds any more (rebuilt by hand, or
-        dropped) becomes a line saying so, so the saved notebook keeps no widget it does not need."""
+        dropped) becomes a line saying so. Before each cell (`moved_on`): every button still shown ends as
+        the line saying how to rebuild by hand.
+
+        A button can act only between cells (a kernel runs no comm message during a cell), and it can
+        only be seen as a widget while its kernel holds its model: a notebook reopened on a fresh kernel
+        shows "Error displaying widget: model not found" for every widget view it saved (JupyterLab never
+        falls back to an output's other mime types, and saves no widget state unless "Save Widget State
+        Automatically" is on). So a button lives until the next cell runs, and the saved notebook holds
+        its HTML outcome, unless it is saved with that button the latest thing shown."""
         for button in self.buttons:
-            if button.state == "ready" and not button.names():
-                button.retire("no longer needed: no name holds that handle any more (it was rebuilt or dropped)")
+            if button.state != "ready":
+                continue
+            names = button.names()
+            if not names:
+                button.retire(RETIRED_NO_NAME)
+            elif moved_on:
+                button.retire(RETIRED_MOVED_ON.format(name=names[0]))
         self.buttons = [b for b in self.buttons if b.state == "ready"]
+
+    def close(self) -> None:
+        """The extension is unloaded: every button still shown ends as its HTML line."""
+        self.retire(moved_on=True)
 
 
 # ------------------------------------------------------------------------------------------------ panel

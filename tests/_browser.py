@@ -25,6 +25,10 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 THEMES = {"light": "JupyterLab Light", "dark": "JupyterLab Dark"}
 WIDGET_ERROR = "Error displaying widget"
 WIDTH = 800
+# A second edit of the helper, then the same handle trained again: its Rebuild button is left unclicked.
+UNCLICKED = ("def huber(r, delta=0.7):\n    a = jnp.abs(r)\n"
+             "    return jnp.where(a < delta, 0.5 * r**2, delta * (a - 0.5 * delta))\n\nn.train(1);")
+UNCLICKED_CELL = "def huber(r, delta=0.7)"  # how `output_of` finds that cell
 
 
 def chromium_available() -> bool:
@@ -60,7 +64,8 @@ class Lab:
             [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
              f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
              f"--ServerApp.root_dir={self.dir}", "--LabApp.news_url=", "--ServerApp.disable_check_xsrf=False",
-             "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--ServerApp.allow_root=True"],
+             "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--ServerApp.allow_root=True",
+             "--LabApp.expose_app_in_browser=True"],  # window.jupyterapp: the theme is switched live
             cwd=self.dir, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self._wait()
 
@@ -185,9 +190,50 @@ def select_cell_after(page, startswith: str):
     raise LookupError(startswith)
 
 
+def switch_theme(page, name: str):
+    """Switch the theme of the open page, as Settings > Theme does (the kernel and outputs stay live)."""
+    page.evaluate(f"() => window.jupyterapp.commands.execute('apputils:change-theme', {{theme: {json.dumps(THEMES[name])}}})")
+    want = "false" if name == "dark" else "true"
+    page.wait_for_function(f"() => document.body.dataset.jpThemeLight === '{want}'", timeout=30_000)
+    page.wait_for_timeout(500)  # the theme's stylesheet applied
+
+
+def new_cell(page, code: str):
+    """A new code cell below the last one, holding `code` (inserted as text: no auto-indent), run."""
+    page.keyboard.press("Escape")
+    page.locator(".jp-Notebook .jp-Cell").last.click(position={"x": 5, "y": 5})
+    page.keyboard.press("Escape")
+    page.keyboard.press("b")
+    page.keyboard.press("Enter")
+    page.keyboard.insert_text(code)
+    page.keyboard.press("Shift+Enter")
+    _idle(page)
+
+
 def computed(page, selector: str, props: tuple) -> list:
     return page.eval_on_selector_all(
         selector, f"els => els.map(e => {{ const s = getComputedStyle(e); return {json.dumps(list(props))}.map(p => s.getPropertyValue(p)); }})")
+
+
+# The contrast ratio (WCAG 2) of each element's text against what is behind it: its own background and
+# its ancestors' composited (translucent tints over the page), computed in the page.
+CONTRAST_JS = """els => els.map(e => {
+  const parse = c => { const m = c.match(/[\\d.]+/g) || []; return m.map(Number).concat([1]).slice(0, 4); };
+  const chain = []; for (let n = e; n; n = n.parentElement) chain.push(getComputedStyle(n).backgroundColor);
+  let bg = [255, 255, 255];
+  for (const c of chain.reverse()) { const [r, g, b, al] = parse(c);
+    bg = [r * al + bg[0] * (1 - al), g * al + bg[1] * (1 - al), b * al + bg[2] * (1 - al)]; }
+  const fg = parse(getComputedStyle(e).color);
+  const lum = ([r, g, b]) => { const f = v => { v /= 255; return v <= 0.03928 ? v / 12.92 : Math.pow((v + 0.055) / 1.055, 2.4); };
+    return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b); };
+  const [l1, l2] = [lum(fg), lum(bg)].sort((a, b) => b - a);
+  return Math.round((l1 + 0.05) / (l2 + 0.05) * 100) / 100;
+})"""
+
+
+def contrasts(page, selector: str) -> list:
+    """The text/background contrast ratio of every element matching `selector`."""
+    return page.eval_on_selector_all(selector, CONTRAST_JS)
 
 
 def widget_errors(page) -> int:
@@ -204,7 +250,7 @@ def output_of(page, startswith: str):
     """The output area of the code cell whose source starts with `startswith`."""
     cells = page.locator(".jp-Notebook .jp-CodeCell")
     for i in range(cells.count()):
-        if cells.nth(i).evaluate("c => c.querySelector('.jp-InputArea-editor').textContent").strip().startswith(startswith):
+        if cells.nth(i).evaluate("c => c.querySelector('.jp-InputArea-editor')?.textContent || ''").strip().startswith(startswith):
             return cells.nth(i).locator(".jp-OutputArea")
     raise LookupError(startswith)
 
@@ -261,7 +307,28 @@ def walkthrough(shots: Path) -> dict:
             shoot(page, ".nitro-panel", shots / "panel-light.png")
             shoot(page, ".nitro-stats-box", shots / "stats-light.png")
             output_of(page, "nitro_ipy.cache_reset(); n = Nitro(e").screenshot(path=str(shots / "progress-light.png"))
+            # An unclicked Rebuild button: a second edit of the helper, the same handle trained again.
+            new_cell(page, UNCLICKED)
+            page.wait_for_selector("button.jupyter-button:has-text('Rebuild handle')", timeout=60_000)
+            facts["unclicked_live"] = page.locator("button.jupyter-button", has_text="Rebuild handle").count()
+            output_of(page, UNCLICKED_CELL).screenshot(path=str(shots / "unclicked-light.png"))
             facts["errors_live"] = widget_errors(page)
+            # The same live notebook in the dark theme (the kernel alive, the unclicked button a widget).
+            switch_theme(page, "dark")
+            facts["live_dark_page"] = computed(page, ".jp-Notebook", ("background-color",))
+            facts["live_dark_contrast"] = contrasts(page, ".nitro-box")
+            output_of(page, UNCLICKED_CELL).screenshot(path=str(shots / "unclicked-live-dark.png"))
+            out = output_of(page, "n.train(1);")
+            out.scroll_into_view_if_needed()
+            out.screenshot(path=str(shots / "stale-cell-live-dark.png"))
+            shoot(page, ".nitro-panel", shots / "panel-live-dark.png")
+            shoot(page, ".nitro-stats-box", shots / "stats-live-dark.png")
+            output_of(page, "nitro_ipy.cache_reset(); n = Nitro(e").screenshot(path=str(shots / "progress-live-dark.png"))
+            # Moving on: the next cell ends the unclicked button as its HTML line.
+            new_cell(page, "print('moved on')")
+            page.wait_for_selector(".nitro-action.nitro-retired", timeout=30_000)
+            facts["unclicked_ended"] = output_of(page, UNCLICKED_CELL).locator(".nitro-action").inner_text()
+            facts["unclicked_after"] = page.locator("button.jupyter-button", has_text="Rebuild handle").count()
             page.keyboard.press("Control+s")
             page.wait_for_function("() => !document.querySelector('.jp-mod-dirty')", timeout=30_000)
             facts["saved_widget_views"] = sum(
@@ -276,6 +343,8 @@ def walkthrough(shots: Path) -> dict:
             open_notebook(page, lab)  # a new session: a fresh kernel, nothing run
             facts["errors_reopen"] = widget_errors(page)
             facts["reopen_messages"] = page.locator(".nitro-message").count()
+            facts["reopen_unclicked"] = output_of(page, UNCLICKED_CELL).locator(".nitro-action").inner_text()
+            facts["reopen_contrast"] = contrasts(page, ".nitro-box")
             facts["reopen_panel"] = page.locator(".nitro-panel svg.nitro-chart").count()
             facts["dark_styles"] = computed(page, ".nitro-message", ("border-left-color", "background-color", "color"))
             facts["dark_page"] = computed(page, ".jp-Notebook", ("background-color",))

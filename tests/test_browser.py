@@ -1,7 +1,9 @@
 """The quickstart in a real JupyterLab 4 in Debian's Chromium (playwright), as a person runs it: both
-messages visibly styled, the panel's figures and chart, the Rebuild click and what it says, a background run stopped from the panel's Stop button, then a save,
-a page reload (kernel alive) and a reopen on a fresh kernel in the dark theme with zero widget errors and
-zero JS console errors. Screenshots go to a temp dir (`tools/screenshots.py` keeps some for the docs).
+messages visibly styled, the panel's figures and chart, the Rebuild click and what it says, a background
+run stopped from the panel's Stop button, a second edit whose Rebuild button is left unclicked (a live
+widget until the next cell ends it as its line), the live notebook switched to the dark theme (every nitro
+box's text contrast >= 4.5), then a save, a page reload (kernel alive) and a reopen on a fresh kernel in
+the dark theme with zero widget errors and zero JS console errors. Screenshots go to a temp dir (`tools/screenshots.py` keeps some for the docs).
 
 Costs ~60-90 s (one JupyterLab, one Chromium, the notebook's compiles). Skipped only when Chromium is
 missing outside CI; under `CI=true` it always runs (`.ci/run` installs Chromium).
@@ -59,11 +61,27 @@ def test_a_background_run_is_stopped_from_the_panel(seen):
     assert seen["stop_result"] == "stop asked: the run ends at the next step boundary, nothing lost"
 
 
+MOVED_ON = "not clicked before the next cell ran; to use the current code: `n = n.rebuild()`"
+
+
 def test_reload_and_reopen_show_everything_with_no_widget_error(seen):
     assert seen["errors_live"] == seen["errors_reload"] == seen["errors_reopen"] == 0
     assert seen["saved_widget_views"] == 0
-    assert seen["reopen_messages"] == 2 and seen["reopen_panel"] == 1
+    assert seen["reopen_messages"] == 4 and seen["reopen_panel"] == 1  # two edits, two messages each
     assert seen["console_errors"] == []
+
+
+def test_an_unclicked_button_ends_as_its_line_and_reopens_as_it(seen):
+    assert seen["unclicked_live"] == 1  # shown as a live widget while it could be clicked
+    assert seen["unclicked_after"] == 0  # the next cell ran: no Rebuild widget left in the page
+    assert seen["unclicked_ended"] == seen["reopen_unclicked"] == MOVED_ON.replace("`", "")
+
+
+def test_every_nitro_box_reads_in_the_live_and_the_reopened_dark_theme(seen):
+    assert sum(_rgb(seen["live_dark_page"][0][0])[:3]) < 150  # switched live: the dark theme is on
+    for key in ("live_dark_contrast", "reopen_contrast"):
+        assert len(seen[key]) >= 8, key  # messages, the action lines, progress, panel, latest compile
+        assert min(seen[key]) >= 4.5, (key, seen[key])  # WCAG AA for body text
 
 
 def test_dark_theme_keeps_contrast(seen):
@@ -78,5 +96,6 @@ def test_dark_theme_keeps_contrast(seen):
 def test_screenshots_are_written(seen):
     names = sorted(p.name for p in seen["shots"].iterdir())
     assert {"messages-light.png", "messages-dark.png", "panel-light.png", "panel-dark.png",
-            "stats-light.png", "reopened-dark.png"} <= set(names)
+            "stats-light.png", "reopened-dark.png", "panel-live-dark.png", "stats-live-dark.png",
+            "stale-cell-live-dark.png", "unclicked-live-dark.png", "progress-live-dark.png"} <= set(names)
     assert WIDTH == 800

@@ -378,6 +378,21 @@ def test_unclicked_buttons_are_retired_after_a_cell_once_nothing_holds_their_han
     assert update.data["text/plain"] == "no longer needed: no name holds that handle any more (it was rebuilt or dropped)"
 
 
+def test_unclicked_buttons_end_as_html_once_the_user_moves_on(trained, monkeypatch):
+    sink = _sinked(monkeypatch, trained)
+    _captured(_run, trained, EDIT + "n.train()")
+    _captured(_run, trained, "n.train()")  # the same stale handle again: a second button
+    first, second = sink.buttons
+    updates = _captured(lambda: sink.retire(moved_on=True))
+    assert [u.transient["display_id"] for u in updates] == [first.handle.display_id, second.handle.display_id]
+    assert {u.data["text/plain"] for u in updates} == {
+        "not clicked before the next cell ran; to use the current code: `n = n.rebuild()`"}
+    assert all(set(u.data) == {"text/plain", "text/html"} and "nitro-retired" in u.data["text/html"] for u in updates)
+    assert (first.state, second.state, sink.buttons) == ("retired", "retired", [])
+    assert first.widget.comm is None and second.widget.comm is None  # closed: the kernel keeps no model
+    assert _captured(lambda: sink.retire(moved_on=True)) == []  # nothing left to retire
+
+
 def test_other_message_kinds(monkeypatch):
     from nitro_ipy._widgets import RichSink
 

@@ -164,17 +164,29 @@ def test_stale_messages_are_html_and_only_the_button_is_a_widget(session):
     assert _of(messages, "display_data") == []
 
 
-def test_an_unclicked_rebuild_button_is_retired_when_no_name_holds_its_handle(session):
-    session.run("def helper(r):\n    return r ** 2\n")
-    messages = session.run("records = n.train()")
+def _button_shown(messages):
     (button_id,) = [cid for cid, s in _widget_opens(messages).items() if s["_model_name"] == "ButtonModel"]
     (display_id,) = [m["content"]["transient"]["display_id"] for m in _of(messages, "display_data")
                      if WIDGET_VIEW in m["content"]["data"]]
-    messages = session.run("n = n.rebuild(); n_alias = n")  # rebuilt by hand: the button has nothing to do
-    (update,) = [m["content"] for m in _of(messages, "update_display_data")]
-    assert update["transient"]["display_id"] == display_id
-    assert update["data"]["text/plain"].startswith("no longer needed: no name holds that handle any more")
+    return button_id, display_id
+
+
+def _button_retired(messages, button_id, display_id) -> str:
+    """The line an unclicked button's output ended as (its model closed, its output HTML + text)."""
+    (update,) = [m["content"] for m in _of(messages, "update_display_data")
+                 if m["content"]["transient"]["display_id"] == display_id]
+    assert set(update["data"]) == {"text/plain", "text/html"}
     assert button_id in [m["content"]["comm_id"] for m in _of(messages, "comm_close")]
+    return update["data"]["text/plain"]
+
+
+def test_an_unclicked_rebuild_button_is_retired_when_no_name_holds_its_handle(session):
+    session.run("def helper(r):\n    return r ** 2\n")
+    # Rebuilt by hand in the cell that showed the button: retired after that cell, nothing to do.
+    messages = session.run("n.train(); n = n.rebuild(); n_alias = n")
+    button_id, display_id = _button_shown(messages)
+    assert _button_retired(messages, button_id, display_id) == (
+        "no longer needed: no name holds that handle any more (it was rebuilt or dropped)")
     session.run("records = n.train()")
 
 
@@ -254,3 +266,22 @@ def test_the_panel_draws_a_background_run_while_the_kernel_is_idle(session):
     session.run("run.stop(); rows = run.wait()")
     assert len(seen) == 2 and all(s.startswith("nitro_ipy panel: hits ") for s in seen)
     assert session.value("[run.done, r.step > 0]") == [True, True]
+
+
+def test_an_unclicked_rebuild_button_ends_as_html_when_the_next_cell_runs(session):
+    """A button can act only between cells and shows only while its kernel holds its model: once the next
+    cell runs it becomes the line saying how to rebuild by hand, so the saved notebook holds HTML."""
+    session.run("def helper(r):\n    return r ** 3\n")
+    stale = session.run("old = n; records = n.train()")
+    button_id, display_id = _button_shown(stale)
+    assert display_id not in [m["content"]["transient"]["display_id"] for m in _of(stale, "update_display_data")]
+    messages = session.run("x = 1")  # any cell: the button was not clicked
+    assert _button_retired(messages, button_id, display_id) == (
+        "not clicked before the next cell ran; to use the current code: `n = n.rebuild()`")
+    assert session.value("n is old") is True  # nothing was rebuilt
+    # A button shown while nitro_ipy is unloaded ends the same way.
+    button_id, display_id = _button_shown(session.run("records = n.train()"))
+    messages = session.run("%unload_ext nitro_ipy")
+    assert _button_retired(messages, button_id, display_id).startswith("not clicked before the next cell ran")
+    session.run("%load_ext nitro_ipy")
+    session.run("n = n.rebuild()")

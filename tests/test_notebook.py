@@ -92,9 +92,9 @@ def test_training_the_old_handle_shows_both_messages(executed):
     )
     assert handle_msg["text/plain"].startswith(STALE_LINE)
     assert "nitro-info" in cache_msg["text/html"] and "nitro-warning" in handle_msg["text/html"]
-    # The Rebuild button was retired when the next cell rebuilt `n` by hand: the saved output says so.
+    # The Rebuild button was retired when the next cell ran (it rebuilt `n` by hand): the saved output says so.
     (button,) = [d for d in _displays(cell) if "nitro-action" in d.get("text/html", "")]
-    assert button["text/plain"] == "no longer needed: no name holds that handle any more (it was rebuilt or dropped)"
+    assert button["text/plain"] == "not clicked before the next cell ran; to use the current code: `n = n.rebuild()`"
     assert COMPILED.findall(_text(cell)) == []  # the old handle keeps its programs: nothing compiles
 
 

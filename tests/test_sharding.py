@@ -272,6 +272,26 @@ def test_bad_input_is_refused_at_setup(tmp_path):
     ]
 
 
+def test_loops_stay_a_few_steps_ahead_of_a_cpu_mesh(tmp_path):
+    """XLA:CPU deadlocks when a few dozen launches of programs with collectives queue on its devices
+    (a plain sharded `jax.jit` loop too): on a CPU mesh of several devices the step and evaluation
+    loops wait for the step `CPU_STEPS_AHEAD` back; one device and accelerators are not bounded."""
+    out = in_child(tmp_path, """
+    from nitro_ipy import _sharding
+    n = Nitro(exp.Regression(), data=exp.data(), batch_size=32, progress=False, mesh=mesh)
+    one = Nitro(exp.Regression(), data=exp.data(), batch_size=32, progress=False)
+    double = jax.jit(lambda a: a * 2, out_shardings=n._place.replicated)
+    results = [double(jax.numpy.ones(4))]
+    for _ in range(6):
+        results.append(double(results[-1]))
+    _sharding.pace(results, 2)
+    print(json.dumps({"ahead": n._place.ahead, "one": one._place.ahead,
+                      "one_device_mesh": _sharding.steps_ahead(Mesh(np.array(jax.devices()[:1]), ("data",))),
+                      "ready": results[-3].is_ready(), "rows": len(n.train())}))
+    """)
+    assert out == {"ahead": _sharding.CPU_STEPS_AHEAD, "one": 0, "one_device_mesh": 0, "ready": True, "rows": 1}
+
+
 def test_param_sharding_without_a_mesh_is_refused():
     with pytest.raises(NitroValueError, match=r"`param_sharding=` needs a mesh to shard over"):
         _sharding.placement(None, "data", lambda p, s: None)
@@ -353,6 +373,94 @@ def test_two_processes_train_like_one(tmp_path, monkeypatch):
     assert sum(ln.startswith("nitro_ipy: epoch") for ln in printed[0]) == 2
     assert printed[1] == [] and "epoch 1" not in outs[1][1]
 
+
+
+CHECKPOINT_WORKER = """
+import json, os, sys
+pid, port, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+import jax
+from nitro_ipy._compat import CPU_COLLECTIVES_OPTION
+jax.config.update("jax_num_cpu_devices", 2)
+jax.config.update(CPU_COLLECTIVES_OPTION, "gloo")
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+import nitro_ipy, exp
+mesh = Mesh(np.array(jax.devices()), ("data",))
+rule = lambda path, shape: P(None, "data") if path == "w1" else None
+
+def state(n):
+    host = n._place.host
+    return {"params": {k: np.asarray(v).tolist() for k, v in host(n.params).items()},
+            "opt": [np.asarray(a).tolist() for a in jax.tree.leaves(host(n._opt_state))], "step": n.step,
+            "epoch": n.epoch, "history": [sorted(r) for r in n.history]}
+
+out = {}
+for name, kw in (("flat", {}), ("sharded", {"flat_params": False, "param_sharding": rule})):
+    mine = os.path.join(root, f"{name}-periodic-{pid}")  # a directory of this process's own
+    n = nitro_ipy.Nitro(exp.Regression(), data=exp.data(), batch_size=32, max_epochs=1, mesh=mesh,
+                        checkpoint_dir=mine, checkpoint_every=1, **kw)
+    n.train()
+    path = n.save(os.path.join(root, name))  # one path on every process: process 0 writes it
+    saved = state(n)
+    r = nitro_ipy.Nitro(exp.Regression(), data=exp.data(), batch_size=32, max_epochs=1, mesh=mesh,
+                        resume=path, **kw)
+    resumed = state(r)
+    r.train()
+    auto = nitro_ipy.Nitro(exp.Regression(), data=exp.data(), batch_size=32, mesh=mesh,
+                           checkpoint_dir=os.path.join(root, f"{name}-periodic-0"), resume="auto", **kw)
+    out[name] = {"path": os.path.relpath(path, root), "periodic": sorted(os.listdir(mine)) if os.path.isdir(mine) else None,
+                 "saved": saved, "resumed": resumed, "auto": state(auto), "continued": exp.summary(r, [])["params"],
+                 "spec": str(r.params["w1"].sharding.spec)}
+print(json.dumps(out))
+"""
+
+
+def test_two_processes_checkpoint_on_process_0_and_resume_alike(tmp_path, monkeypatch):
+    """Under `jax.distributed` every process calls `n.save` and `checkpoint_every=` saves alike, only
+    process 0 writes (the others gather their shards for it and wait until the file is there), and
+    every process resumes the same state: params, optimizer state, step, history."""
+    (tmp_path / "exp.py").write_text(EXPERIMENT)
+    (tmp_path / "worker.py").write_text(CHECKPOINT_WORKER)
+    root = tmp_path / "ck"
+    root.mkdir()
+    port, env = free_port(), child_env(tmp_path)
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(i), str(port), str(root)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=CHILD_TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-4000:]
+    results = [last_json(o) for o, _ in outs]
+    printed = [[ln for ln in o.splitlines() if ln.startswith("nitro_ipy:")] for o, _ in outs]
+
+    # The reference: one epoch, save, resume, one more epoch, on this process's one device.
+    e = import_source(tmp_path, monkeypatch, "exp", EXPERIMENT)
+    n = nitro_ipy.Nitro(e.Regression(), data=e.data(), batch_size=32, max_epochs=1, progress=False)
+    n.train()
+    one = n._place.host(n.params)
+    r = nitro_ipy.Nitro(e.Regression(), data=e.data(), batch_size=32, max_epochs=1, progress=False,
+                        resume=n.save(tmp_path / "one"))
+    r.train()
+    for name in ("flat", "sharded"):
+        p0, p1 = results[0][name], results[1][name]
+        assert p0["path"] == p1["path"] == f"{name}.nitro.npz"
+        # Only process 0 wrote: its periodic directory has the epoch's checkpoint, process 1's was never made.
+        assert p0["periodic"] == ["step-00000008.nitro.npz"] and p1["periodic"] is None
+        for r_ in (p0, p1):
+            assert r_["resumed"] == r_["saved"] == p0["saved"]  # every process resumes what was saved
+            assert r_["auto"] == p0["saved"]  # `resume="auto"` finds process 0's newest checkpoint
+            assert r_["saved"]["step"] == 8 and r_["saved"]["epoch"] == 1
+            for k in one:
+                np.testing.assert_allclose(r_["saved"]["params"][k], np.asarray(one[k]), rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(r_["continued"][k], np.asarray(r.params[k]), rtol=1e-5, atol=1e-6)
+        assert p0["continued"] == p1["continued"]
+    assert results[0]["sharded"]["spec"] == str(P(None, "data"))  # resumed sharded as the rule says
+    assert sum(ln.startswith("nitro_ipy: resumed") for ln in printed[0]) == 4 and printed[1] == []
 
 
 def test_scale_page_runs_on_four_devices(tmp_path):

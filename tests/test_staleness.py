@@ -388,3 +388,54 @@ def test_a_poisoned_program_is_released_once_no_handle_holds_it(ip, capsys):
     assert [(e.call, e.closure, e.drifted) for e in summaries] == [(None, None, ("__main__.helper",))]
     text = repr(ip.run_line_magic("nitro_stats", ""))  # ...and is still listed, with what drifted
     assert text.splitlines()[0].endswith("| poisoned 2") and "poisoned (__main__.helper)" in text
+
+
+METHOD_EDITS = {
+    # The method replaced on the very class (no class cell re-run).
+    "replaced": """
+    def _scaled(self, params, *, x):
+        return 3.0 * (x @ params["w"])
+    E.forward = _scaled
+    """,
+    # Its code swapped in place, as `%autoreload 2` does: the same function object, another `__code__`.
+    "code swapped": """
+    def _scaled(self, params, *, x):
+        return 3.0 * (x @ params["w"])
+    E.forward.__code__ = _scaled.__code__
+    """,
+}
+
+
+@pytest.mark.parametrize("how", sorted(METHOD_EDITS))
+def test_a_method_edited_on_its_class_after_quiet_cells(ip, capsys, how):
+    """The scan settles an unchanged method by identity (class, function, code); after cells that
+    changed nothing, every way of editing the method on the same class is still seen."""
+    run(ip, capsys, BASE.format(defs="", forward='x @ params["w"]'))
+    for _ in range(3):
+        run(ip, capsys, "pass")  # quiet cells: each scans, settling the methods by identity
+    edit = METHOD_EDITS[how]
+    out = run(ip, capsys, edit + "\nn.train(); old = n.predict({'x': X[:2]})")
+    assert f"{STALE_LINE}: __main__.E.forward (grad, predict)" in out, out
+    np.testing.assert_array_equal(ip.user_ns["old"], ip.user_ns["before"])
+    run(ip, capsys, "n2 = n.rebuild(); n2.train(); new = n2.predict({'x': X[:2]})")
+    np.testing.assert_allclose(ip.user_ns["new"], 3.0 * ip.user_ns["before"], rtol=1e-6)
+
+
+def test_a_quiet_cell_resolves_no_method_by_name(ip, capsys, monkeypatch):
+    """After a cell that changed nothing, the post-cell scan settles the hook methods by identity: it
+    resolves none of them by name again (what made the cell hook cost ~75 us)."""
+    from nitro_ipy._closure import _scan
+
+    run(ip, capsys, BASE.format(defs="", forward='x @ params["w"]'))
+    run(ip, capsys, "pass")
+    _cache.ensure_fresh()  # a first scan after the compiles: each method resolved in full, once
+    resolved = []
+    real = _scan.resolve_function
+    monkeypatch.setattr(_scan, "resolve_function", lambda ns, qualname: resolved.append(qualname) or real(ns, qualname))
+    run(ip, capsys, "pass")
+    _cache.ensure_fresh()  # the scan a quiet cell's hook runs (done here: the hook's is compile-ahead's)
+    assert _cache.scanned_world() == nitro_ipy._world.world()
+    assert resolved == []
+    run(ip, capsys, "E.forward = lambda self, params, *, x: 2.0 * (x @ params['w'])")
+    _cache.ensure_fresh()
+    assert resolved == ["E.forward"]  # the edited one, resolved in full

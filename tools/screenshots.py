@@ -18,8 +18,11 @@ sys.path.insert(0, str(ROOT))
 
 from _browser import walkthrough  # noqa: E402  (the test's own driver: the docs show what it checks)
 
-KEEP = ("stale-cell-light.png", "stale-cell-dark.png", "panel-light.png", "panel-dark.png", "stats-light.png",
-        "progress-light.png")
+# Light and dark of the live notebook (the dark ones switched live, the kernel running), and the reopened
+# dark cell (a fresh kernel: what a saved notebook shows).
+KEEP = ("stale-cell-light.png", "stale-cell-live-dark.png", "stale-cell-dark.png", "unclicked-light.png",
+        "unclicked-live-dark.png", "panel-light.png", "panel-live-dark.png", "stats-light.png",
+        "stats-live-dark.png", "progress-light.png", "progress-live-dark.png")
 
 
 def main() -> int:
@@ -28,6 +31,9 @@ def main() -> int:
     pprint.pprint(facts)
     out = ROOT / "docs" / "images"
     out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.png"):  # pictures no longer made go too
+        if old.name not in KEEP:
+            old.unlink()
     for name in KEEP:
         shutil.copy(shots / name, out / name)
         print(f"docs/images/{name}: {(out / name).stat().st_size // 1024} KiB")

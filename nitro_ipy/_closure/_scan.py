@@ -13,7 +13,11 @@ into a call, about three times faster than a tuple subclass.
 
 from __future__ import annotations
 
+import types
+import weakref
 from typing import NamedTuple
+
+from .._memo import Memo
 
 from ._records import MISSING
 from ._resolve import live_namespace, lookup, resolve_function, static_attr
@@ -83,10 +87,50 @@ class Live:
         return self._fp == expected
 
 
+# A method (`Class.method`) resolved in full, and the objects that resolution went through, by the
+# function's memo key: `(class ref, function ref, code ref, fingerprints)`. While the live namespace
+# still binds the very class, whose own `__dict__` still holds the very plain function, with the
+# very code object, the method resolves to the same fingerprints: an identity test instead of a lookup
+# along the MRO, the unwrapping and the fingerprinting (what every post-cell scan would otherwise pay).
+_methods_seen = Memo("methods resolved by identity")
+
+
+def _method_by_identity(ns: dict, key: tuple, qualname: str):
+    """The fingerprints of `qualname` (`Class.method`) in `ns` if its objects are the ones last resolved."""
+    seen = _methods_seen.get(key) if "." in qualname else None
+    if seen is None:
+        return None
+    cls_ref, fn_ref, code_ref, live = seen
+    head, _, name = qualname.partition(".")
+    cls = cls_ref()
+    if cls is None or ns.get(head) is not cls:
+        return None
+    fn = cls.__dict__.get(name)
+    if fn is None or fn is not fn_ref() or fn.__code__ is not code_ref() or "__wrapped__" in fn.__dict__:
+        return None
+    return live
+
+
+def _remember_method(ns: dict, key: tuple, qualname: str, live) -> None:
+    head, _, name = qualname.partition(".")
+    if not name or "." in name or live is None:
+        return
+    cls = ns.get(head)
+    fn = cls.__dict__.get(name) if isinstance(cls, type) else None
+    if type(fn) is not types.FunctionType or "__wrapped__" in fn.__dict__:
+        return  # a wrapper, a descriptor, an inherited method: resolved in full every time
+    _methods_seen[key] = (weakref.ref(cls), weakref.ref(fn), weakref.ref(fn.__code__), live)
+
+
 def check_function(nskey, module, ns, key, qualname, expected, memo) -> bool:
     live = memo.get(key, MISSING)
     if live is MISSING:
-        live = memo[key] = resolve_function(live_namespace(module, ns, memo, nskey), qualname)
+        live_ns = live_namespace(module, ns, memo, nskey)
+        live = _method_by_identity(live_ns, key, qualname)
+        if live is None:
+            live = resolve_function(live_ns, qualname)
+            _remember_method(live_ns, key, qualname, live)
+        memo[key] = live
     return live is not None and expected in live
 
 
