@@ -14,7 +14,7 @@ import numpy as np
 import optax
 
 from . import _closure
-from ._checks import check_positional_not_a_field, check_schedule_value, check_schedules_arg
+from ._checks import check_positional_not_a_field, check_schedule_value, check_schedules_arg, numeric_array
 from ._data import check_splits
 from ._errors import NitroTypeError, NitroValueError
 from ._fields import CompileView, GraphConstPrints, field_kinds, graphconst_prints, short_repr
@@ -231,11 +231,8 @@ def _check_schedules(cls, schedules: dict, device_host: dict):
 
 def _device_value(cls, name: str, value):
     """`value` as the numpy array a Device field is traced as: numeric, canonical dtype, strongly typed."""
-    try:
-        arr = np.asarray(value)
-    except Exception:
-        arr = None
-    if arr is None or arr.dtype.kind not in "biufc":
+    arr = numeric_array(value)
+    if arr is None:
         raise NitroTypeError(
             f"Device field `{cls.__qualname__}.{name}` must hold a number or numeric array; got "
             f"{type(value).__qualname__} ({short_repr(value)}). Mark it `GraphConst[...]` if it shapes "

@@ -17,6 +17,7 @@ field-level diff, and lists changed Device/Host fields and edited hooks without 
 """
 
 import atexit
+import dataclasses
 import functools
 import glob
 import json
@@ -26,6 +27,7 @@ import re
 import sys
 import tempfile
 import threading
+from importlib import metadata
 
 import jax
 import numpy as np
@@ -63,8 +65,6 @@ def set_handle_state(n, state: dict) -> None:
 # ---------------------------------------------------------------- the manifest
 @functools.cache
 def _versions() -> dict:
-    from importlib import metadata
-
     out = {}
     for dist in ("nitro_ipy", "jax", "jaxlib", "optax", "numpy"):
         try:
@@ -83,8 +83,6 @@ def _content_map(value, path: str, depth: int = 0, parent: str | None = None) ->
         return {}
     if depth >= 3:
         return out
-    import dataclasses
-
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         parts = [(f"{path}.{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value)]
     elif isinstance(value, dict):

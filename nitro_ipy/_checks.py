@@ -5,6 +5,8 @@ One module so every check is found (and extended) in one place: `_binding` calls
 `_programs`' builders the trace-time ones, the handle and the loop the rest.
 """
 
+import inspect
+
 import numpy as np
 
 from ._errors import NitroTypeError, NitroValueError
@@ -23,20 +25,25 @@ def check_on_nonfinite(mode) -> str:
     return mode
 
 
+def numeric_array(value) -> np.ndarray | None:
+    """`value` as a numpy array when it is a number or numeric array (bool, int, float, complex), else
+    None (a string, None, an object numpy cannot convert): what a Device field may hold."""
+    try:
+        arr = np.asarray(value)
+    except Exception:  # noqa: BLE001 - numpy refused it: not numeric, which the caller's error says
+        return None
+    return arr if arr.dtype.kind in "biufc" else None
+
+
 def check_schedule_value(cls, name: str, fn, step: int, want: np.ndarray) -> np.ndarray:
     """The value schedule `fn` gives Device field `name` at `step`, as the field's dtype and shape;
     refused (naming the field, the value and the fix) unless it is a finite number or array of that
     shape that converts to the field's dtype without losing its kind (no complex into a float)."""
     field = f"`{cls.__qualname__}.{name}`"
     got = fn(step)  # its own exception propagates as it is: the user's traceback says the most
-    arr = None
-    if got is not None and not isinstance(got, (str, bytes)):
-        try:
-            arr = np.asarray(got)
-        except Exception:
-            arr = None
+    arr = numeric_array(got)
     expect = f"a {want.dtype} {'scalar' if want.shape == () else f'array of shape {want.shape}'}"
-    if arr is None or arr.dtype.kind not in "biufc":
+    if arr is None:
         raise NitroTypeError(
             f"schedule for Device field {field} returned {type(got).__qualname__} ({short_repr(got)}) at "
             f"step {step}; it must return {expect}, e.g. `lambda step: 1e-3 * 0.99 ** step`."
@@ -99,8 +106,6 @@ def check_optimizer(cls, tx) -> None:
 def check_positional_not_a_field(cls, fn, hook_name: str, slot: str, splits: dict) -> None:
     """`forward(self, x)`: the slot after `self` receives `params` (or `outputs` for `loss`); a batch
     field's name there means the field was meant, and would never be sent."""
-    import inspect
-
     positional = [p for p in inspect.signature(fn).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(positional) < 2:

@@ -171,14 +171,10 @@ class Nitro:
         self._opt_state = opt_state
         self._settings = {"accum": self.accum, "layout": self._layout.signature, "statics": split.signature,
                           "on_nonfinite": self.on_nonfinite}  # what specs' options name
-        # The rng argument of the gradient program: `[seed, step]` (replicated on a mesh), or None when no
-        # hook wants `rng`.
-        if not b.wants_rng:
-            self._seed_step = lambda step: None
-        elif on_mesh:
-            self._seed_step = lambda step: place.replicate(np.array([self.seed, step], np.uint32))
-        else:
-            self._seed_step = lambda step: np.array([self.seed, step], np.uint32)
+        # How `_seed_step` places the rng argument: None (no hook wants `rng`), False (as a host array),
+        # or the mesh placement that replicates it. A method, not a lambda over `self`: a handle in a
+        # reference cycle outlives its last name until a garbage collection, and its programs with it.
+        self._rng_place = None if not b.wants_rng else place if on_mesh else False
 
         # Where an epoch an interrupt cut short stopped: (its steps taken, their loss sum and count); the
         # next train() goes on from there (`_loop.train_epoch`). (0, 0.0, 0) at an epoch boundary.
@@ -285,6 +281,14 @@ class Nitro:
         self._programs[key] = entry
         _ahead.resolved(self, spec, key, args, hook, fields)
         return entry
+
+    def _seed_step(self, step: int):
+        """The gradient program's rng argument for `step`: `[seed, step]` (replicated on a mesh), or None."""
+        place = self._rng_place
+        if place is None:
+            return None
+        seed_step = np.array([self.seed, step], np.uint32)
+        return seed_step if place is False else place.replicate(seed_step)
 
     def _grad_entry(self, batch):
         routes = self._binding.routes

@@ -26,6 +26,7 @@ widgets from it. `run.wait()` shows the ones not shown yet, in the calling cell.
 import atexit
 import copy
 import dataclasses
+import html
 import threading
 import time
 import weakref
@@ -34,6 +35,7 @@ import jax
 import numpy as np
 
 from . import _cache, _report
+from ._checks import numeric_array
 from ._errors import HandleBusyError, NitroTypeError, NitroValueError
 from ._fields import field_kinds, short_repr
 from ._loop import InterruptGate
@@ -152,6 +154,12 @@ class Run:
             self.error = err
         finally:
             unsubscribe()
+            # The handle forgets its ended run and the run its work (a closure over the handle): a run
+            # and its handle hold each other no longer, so dropping both frees the handle's programs
+            # at once, not at the next garbage collection (until which a scan would still judge them).
+            if self.handle._run is self:
+                self.handle._run = None
+            self._work = None
             self.ended = time.time()
             self._done.set()
             _cache.publish("run", self)
@@ -353,11 +361,8 @@ def set_fields(handle, values: dict) -> None:
 
 def _coerce(b, name: str, value) -> np.ndarray:
     want = b.device_host[name]
-    try:
-        arr = np.asarray(value)
-    except Exception:
-        arr = None
-    if arr is None or arr.dtype.kind not in "biufc":
+    arr = numeric_array(value)
+    if arr is None:
         raise NitroTypeError(
             f"Device field `{name}` holds a {want.dtype} array of shape {want.shape}; got "
             f"{type(value).__qualname__} ({short_repr(value)})."
@@ -450,7 +455,7 @@ class History(list):
         """The rows as a table: a pandas `DataFrame` when pandas is importable, else a `HistoryTable`
         (plain text in a terminal, HTML in a notebook)."""
         try:
-            import pandas
+            import pandas  # optional, and heavy: only when a table is asked for
         except ImportError:
             return HistoryTable(list(self))
         return pandas.DataFrame(list(self))
@@ -476,8 +481,6 @@ class HistoryTable:
         return "\n".join([line(self.columns)] + [line(r) for r in cells])
 
     def _repr_html_(self):
-        import html
-
         head = "".join(f"<th style='text-align:left'>{html.escape(c)}</th>" for c in self.columns)
         body = "".join(
             "<tr>" + "".join(f"<td style='text-align:left'>{html.escape(v)}</td>" for v in r) + "</tr>"

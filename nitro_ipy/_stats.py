@@ -4,9 +4,11 @@ displays it.
 """
 
 import html
+import math
+import re
 from typing import NamedTuple
 
-from . import _cache, _store
+from . import _cache, _html, _store
 
 _SHAPES_TEXT_WIDTH = 56  # a terminal table stays readable; the HTML table shows shapes in full
 _SUMMARIZED = ("params", "grads", "opt_state")  # arguments the handle passes (names from `_handle.py`)
@@ -81,8 +83,6 @@ class StatsTable:
     def _repr_html_(self) -> str:
         """Reads at 800 px: the figures first, then one row per program with its inputs summarised by
         name (full shapes on demand, in a `<details>`), and the summarised reason it compiled."""
-        from . import _html  # pure string builders; imported here so `import nitro_ipy` stays lean
-
         esc, h = html.escape, _html
         hits, misses, entries = self.stats
         chips = "".join(h.chip(f"{k} {v}") for k, v in (("hits", hits), ("misses", misses), ("entries", entries)))
@@ -159,9 +159,6 @@ def summarise_inputs(entry) -> str:
     (the flat buffers; with the parameters' layer groups), batch arrays with their shapes; scalars left out.
 
     `parameters 16 float32 (v, w); batch x [16, 3], y [16]`"""
-    import math
-    import re
-
     groups: dict = {}
     for sig in entry.key.args[1]:
         groups.setdefault((sig.path or "arg").split("[")[0].split(".")[0], []).append(sig)

@@ -15,6 +15,7 @@ Everything here runs on the kernel's main thread; a call from any other thread d
 touches a display or a widget.
 """
 
+import re
 import threading
 import time
 import weakref
@@ -99,7 +100,7 @@ def message_output(msg: _report.Message) -> Rich:
 def _kernel_loop():
     """The kernel's event loop (tornado's, whose `add_callback` is thread-safe), or None."""
     try:
-        from ipykernel.kernelbase import Kernel
+        from ipykernel.kernelbase import Kernel  # lazily: IPython in a terminal runs without ipykernel
 
         return Kernel.instance().io_loop if Kernel.initialized() else None
     except Exception:  # noqa: BLE001 - no kernel, or one without an io_loop: no scheduling
@@ -117,8 +118,6 @@ def rebind_names(user_ns: dict, obj) -> list[str]:
 
     **Returns:** the names, in the namespace's order.
     """
-    import re
-
     history = re.compile(r"_+|_\d+|_i\d*|_ii+")  # IPython's own names for recent outputs
     return [k for k, v in list(user_ns.items()) if v is obj and not history.fullmatch(k)]
 

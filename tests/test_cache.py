@@ -5,25 +5,23 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import nitro_ipy
 from nitro_ipy import CacheStats, Device, GraphConst, Host, Nitro
 from nitro_ipy import _cache, _compile, _explain
 
-
-def _split(n, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 4)).astype(np.float32)
-    return {"x": x, "y": np.sin(x.sum(1)).astype(np.float32)}
+import _experiments  # the tiny regression most tests train, and its data
+from _experiments import data as _split
 
 
 DATA = {"train": _split(64)}  # two steps per epoch at batch_size=32
 
 
 @dataclasses.dataclass
-class Reg:
+class Reg(_experiments.Reg):
+    """The tiny regression, wider, with a smaller step and init, and a Host field."""
+
     hidden: GraphConst[int] = 16
     lr: Device[float] = 1e-3
     seed_note: Host[int] = 0
@@ -35,15 +33,6 @@ class Reg:
             "w1": jax.random.normal(k1, (4, self.hidden)) * 0.1,
             "w2": jax.random.normal(k2, (self.hidden,)) * 0.1,
         }
-
-    def forward(self, params, *, x):
-        return jnp.tanh(x @ params["w1"]) @ params["w2"]
-
-    def loss(self, outputs, *, y):
-        return jnp.mean((outputs - y) ** 2)
-
-    def optimizer(self):
-        return optax.adam(self.lr)
 
 
 def _train(e, batch_size=32, data=DATA, **kw):

@@ -4,39 +4,16 @@ column), at setup or at trace time, never a raw JAX or numpy error and never a s
 import dataclasses
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import nitro_ipy
-from nitro_ipy import Device, GraphConst, Nitro
+from nitro_ipy import GraphConst, Nitro
+
+from _experiments import Reg, data as _data  # the tiny regression most tests train, and its data
 
 
-def _data(n, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 4)).astype(np.float32)
-    return {"x": x, "y": np.sin(x.sum(1)).astype(np.float32)}
-
-
-@dataclasses.dataclass
-class Reg:
-    hidden: GraphConst[int] = 8
-    lr: Device[float] = 1e-2
-
-    def init(self, rng):
-        k1, k2 = jax.random.split(rng)
-        return {"w1": jax.random.normal(k1, (4, self.hidden)) * 0.5, "w2": jax.random.normal(k2, (self.hidden,)) * 0.5}
-
-    def forward(self, params, *, x):
-        return jnp.tanh(x @ params["w1"]) @ params["w2"]
-
-    def loss(self, outputs, *, y):
-        return jnp.mean((outputs - y) ** 2)
-
-    def optimizer(self):
-        return optax.adam(self.lr)
 
 
 # ---------------------------------------------------------------- the loss is a real scalar

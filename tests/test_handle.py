@@ -9,33 +9,15 @@ import optax
 import pytest
 
 import nitro_ipy
-from nitro_ipy import Device, GraphConst, Nitro
+from nitro_ipy import GraphConst, Nitro
 
-
-def _data(n, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 4)).astype(np.float32)
-    return {"x": x, "y": np.sin(x.sum(1)).astype(np.float32)}
+import _experiments  # the tiny regression most tests train, and its data
+from _experiments import data as _data
 
 
 @dataclasses.dataclass
-class Reg:
-    hidden: GraphConst[int] = 8
-    lr: Device[float] = 1e-2
+class Reg(_experiments.Reg):
     notes: str = ""
-
-    def init(self, rng):
-        k1, k2 = jax.random.split(rng)
-        return {"w1": jax.random.normal(k1, (4, self.hidden)) * 0.5, "w2": jax.random.normal(k2, (self.hidden,)) * 0.5}
-
-    def forward(self, params, *, x):
-        return jnp.tanh(x @ params["w1"]) @ params["w2"]
-
-    def loss(self, outputs, *, y):
-        return jnp.mean((outputs - y) ** 2)
-
-    def optimizer(self):
-        return optax.adam(self.lr)
 
 
 @dataclasses.dataclass

@@ -390,3 +390,35 @@ def test_a_checkpoint_carries_the_model_state(tmp_path):
     assert m.step == n.step == 2
     jax.tree.map(np.testing.assert_array_equal, m.state, n.state)
     jax.tree.map(np.testing.assert_array_equal, m.params, n.params)
+
+
+def _nnx_experiment():
+    graphdef, _, _ = nnx.split(_NNXNet(4, nnx.Rngs(0)), nnx.Param, ...)
+    return NNXExp(graphdef), {"train": _reg(), "valid": _reg(20, 1)}
+
+
+@pytest.mark.parametrize("make", [
+    lambda: (Digits(), _flax_data()),  # Linen with rng, state and train
+    lambda: (EqxExp(), {"train": _reg(), "valid": _reg(20, 1)}),  # an Equinox module as params
+    _nnx_experiment,  # NNX: graphdef GraphConst, state, rng
+], ids=["linen", "equinox", "nnx"])
+def test_a_dropped_handle_frees_its_programs_without_a_garbage_collection(make):
+    """A notebook rebinds `n` every rebuild: the old handle, and the programs only it holds, must go at
+    once, not at the next `gc` (compile-ahead would otherwise rebuild programs for a handle no one has)."""
+    import gc
+    import weakref
+
+    e, data = make()
+    gc.collect()
+    gc.disable()
+    try:
+        n = Nitro(e, data=data, batch_size=16, max_epochs=1, progress=False)
+        n.train()
+        n.predict({"x": data["valid"]["x"]})
+        handle, entries = weakref.ref(n), [weakref.ref(x) for x in n._programs.values()]
+        assert len(entries) >= 3  # grad, opt, eval, predict
+        del n
+        nitro_ipy.cache_reset()
+        assert (handle() is None, [r() is None for r in entries]) == (True, [True] * len(entries))
+    finally:
+        gc.enable()

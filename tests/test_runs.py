@@ -4,31 +4,28 @@ step (a schedule runs on the worker, just before that step is dispatched), so no
 """
 
 import dataclasses
+import gc
 import os
 import signal
 import subprocess
 import sys
 import threading
 import textwrap
+import weakref
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import nitro_ipy
-from nitro_ipy import Device, GraphConst, Nitro
+from nitro_ipy import Device, Nitro
+
+from _experiments import Reg, data as _data  # the tiny regression most tests train, and its data
 
 ROOT = Path(__file__).resolve().parents[1]
 INTERRUPTED = "training interrupted at epoch {}, step {}/{}; the handle is usable"
-
-
-def _data(n, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 4)).astype(np.float32)
-    return {"x": x, "y": np.sin(x.sum(1)).astype(np.float32)}
 
 
 def _pin_helper(r):
@@ -36,26 +33,15 @@ def _pin_helper(r):
 
 
 @dataclasses.dataclass
-class Knob:
-    """A tiny regression with a spare Device field, `knob`, whose schedule steers the worker thread."""
+class Knob(Reg):
+    """The tiny regression with a spare Device field, `knob`, whose schedule steers the worker thread, and
+    a loss through a helper of this module (`_pin_helper`, the one a test edits)."""
 
-    hidden: GraphConst[int] = 8
-    lr: Device[float] = 1e-2
     knob: Device[float] = 0.0
     notes: str = ""
 
-    def init(self, rng):
-        k1, k2 = jax.random.split(rng)
-        return {"w1": jax.random.normal(k1, (4, self.hidden)) * 0.5, "w2": jax.random.normal(k2, (self.hidden,)) * 0.5}
-
-    def forward(self, params, *, x):
-        return jnp.tanh(x @ params["w1"]) @ params["w2"]
-
     def loss(self, outputs, *, y):
         return jnp.mean(_pin_helper(outputs - y))
-
-    def optimizer(self):
-        return optax.adam(self.lr)
 
 
 DATA = {"train": _data(160), "valid": _data(40, 1)}  # 10 steps per epoch at batch_size=16
@@ -243,6 +229,29 @@ def test_a_background_run_is_pinned_to_its_code():
     finally:
         _pin_helper = old
     assert all(np.array_equal(a, b) for a, b in zip(_leaves(n), _leaves(ref)))
+
+
+def test_a_finished_run_and_its_handle_are_freed_without_a_garbage_collection():
+    """Dropping a handle that trained in the background frees it (and so its programs) at once, as for a
+    foreground one: the run and the handle do not hold each other in a cycle only `gc` would break.
+    Else, after `cache_reset()`, the next scan still judged those programs, poisoning them under a new
+    cache's counts (what made test_honest fail after this file)."""
+    freed = {}
+    gc.disable()
+    try:
+        for background in (False, True):
+            n = _handle(max_epochs=1)
+            run = n.train(background=background)
+            if background:
+                assert run.wait() == n.history
+            entry = weakref.ref(next(iter(n._programs.values())))
+            handle = weakref.ref(n)
+            del n, run
+            nitro_ipy.cache_reset()  # the cache lets its entries go: only a live handle still holds one
+            freed[background] = (handle() is None, entry() is None)
+    finally:
+        gc.enable()
+    assert freed == {False: (True, True), True: (True, True)}
 
 
 # ---------------------------------------------------------------- Ctrl-C in the foreground
@@ -436,8 +445,11 @@ def test_ctrl_c_in_an_ipython_shell_prints_one_line(capsys):
 
     ip = InteractiveShell.instance()
     ip.user_ns.update(_handle=_handle, os=os, signal=signal)
-    result = ip.run_cell("n = _handle(lambda s: (os.kill(os.getpid(), signal.SIGINT) or 0.0) if s == 4 else 0.0)\nn.train()\n")
-    assert isinstance(result.error_in_exec, nitro_ipy.TrainingInterrupted)
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert [line for line in lines if not line.startswith("nitro_ipy: compiled")] == [INTERRUPTED.format(1, 5, 10)]
-    assert ip.user_ns["n"].step == 5
+    try:
+        result = ip.run_cell("n = _handle(lambda s: (os.kill(os.getpid(), signal.SIGINT) or 0.0) if s == 4 else 0.0)\nn.train()\n")
+        assert isinstance(result.error_in_exec, nitro_ipy.TrainingInterrupted)
+        lines = capsys.readouterr().out.strip().splitlines()
+        assert [line for line in lines if not line.startswith("nitro_ipy: compiled")] == [INTERRUPTED.format(1, 5, 10)]
+        assert ip.user_ns["n"].step == 5
+    finally:
+        ip.reset(new_session=False)  # the process's one shell: its `n` must not outlive this test

@@ -53,6 +53,7 @@ STALE_LINE = "! this handle's compiled programs had dependency methods redefined
 @pytest.fixture
 def ip(tmp_path):
     shell = InteractiveShell.instance()
+    shell.reset(new_session=False)  # the process's one shell: start from no name an earlier test left
     shell.run_line_magic("load_ext", "nitro_ipy")
     sys.path.insert(0, str(tmp_path))
     saved = dict(shell.user_ns)

@@ -16,13 +16,9 @@ from ._records import (
     ClassAttrDep,
     FuncDep,
     ValueDep,
-    class_attr_key,
-    function_key,
-    namespace_key,
-    value_key,
 )
 from ._resolve import cells_of, live_namespace, lookup, resolve_function, static_attr, underlying
-from ._scan import AttrTarget, Check, FunctionTarget, ValueTarget, check_class_attr, check_function, check_value
+from ._scan import class_attr_check, function_check, value_check
 from ._snapshot import identity, snapshot
 from ._values import attr_fingerprint, value_fingerprint
 
@@ -167,18 +163,14 @@ class Builder:
             if anon:
                 anonymous.add(dep.qualified)
             elif (id(ns), dep.qualname) not in covered:
-                key = function_key(dep.module, ns, dep.qualname)
-                target = FunctionTarget(namespace_key(dep.module, ns), dep.module, ns, key, dep.qualname, dep.fingerprint)
-                checks.append(Check((*key, dep.fingerprint), check_function, target, dep.qualified))
+                checks.append(function_check(dep, ns))
             if dep.file_digest is not None:
                 files.append(FileBacked(dep, ns, anon))
         for dep, ns, snap in self.values.values():
             values.append(dep)
             if dep.fingerprint is None:
                 untracked.add(dep.qualified)
-            key = value_key(dep.module, ns, dep.name)
-            target = ValueTarget(namespace_key(dep.module, ns), dep.module, ns, key, dep.name, dep.fingerprint, snap)
-            checks.append(Check((*key, dep.fingerprint), check_value, target, dep.qualified))
+            checks.append(value_check(dep, ns, snap))
         for dep, ns, anon, snap in self.attrs.values():
             values.append(dep)
             if dep.fingerprint is None:
@@ -186,12 +178,7 @@ class Builder:
             if anon:
                 anonymous.add(dep.qualified)
             else:
-                key = class_attr_key(dep.module, ns, dep.cls_qualname, dep.name)
-                target = AttrTarget(
-                    namespace_key(dep.module, ns), dep.module, ns, key, dep.cls_qualname, dep.name,
-                    dep.fingerprint, snap,
-                )
-                checks.append(Check((*key, dep.fingerprint), check_class_attr, target, dep.qualified))
+                checks.append(class_attr_check(dep, ns, snap))
         for dep in self.cells.values():
             values.append(dep)
             if dep.fingerprint is None:

@@ -8,8 +8,8 @@ import sys
 from .. import _origin
 from ._disk import FileBacked
 from ._model import Closure
-from ._records import CellDep, ClassAttrDep, FuncDep, ValueDep, class_attr_key, function_key, namespace_key, value_key
-from ._scan import AttrTarget, Check, FunctionTarget, ValueTarget, check_class_attr, check_function, check_value
+from ._records import CellDep, ClassAttrDep, FuncDep, ValueDep
+from ._scan import class_attr_check, function_check, value_check
 
 _VALUE_TYPES = {"ValueDep": ValueDep, "ClassAttrDep": ClassAttrDep, "CellDep": CellDep}
 
@@ -54,20 +54,13 @@ def closure_from_records(records: dict) -> Closure:
         ns = ns_of(dep.module)
         anon = dep.qualified in anonymous
         if not anon and (dep.module, dep.qualname) not in covered:
-            key = function_key(dep.module, ns, dep.qualname)
-            target = FunctionTarget(namespace_key(dep.module, ns), dep.module, ns, key, dep.qualname, dep.fingerprint)
-            checks.append(Check((*key, dep.fingerprint), check_function, target, dep.qualified))
+            checks.append(function_check(dep, ns))
         if dep.file_digest is not None:
             files.append(FileBacked(dep, ns, anon))
     for dep in values:
         ns = ns_of(dep.module)
         if type(dep) is ValueDep:
-            key = value_key(dep.module, ns, dep.name)
-            target = ValueTarget(namespace_key(dep.module, ns), dep.module, ns, key, dep.name, dep.fingerprint, None)
-            checks.append(Check((*key, dep.fingerprint), check_value, target, dep.qualified))
+            checks.append(value_check(dep, ns, None))
         elif type(dep) is ClassAttrDep and dep.qualified not in anonymous:
-            key = class_attr_key(dep.module, ns, dep.cls_qualname, dep.name)
-            target = AttrTarget(namespace_key(dep.module, ns), dep.module, ns, key, dep.cls_qualname, dep.name,
-                                dep.fingerprint, None)
-            checks.append(Check((*key, dep.fingerprint), check_class_attr, target, dep.qualified))
+            checks.append(class_attr_check(dep, ns, None))
     return Closure(functions, values, records["untracked"], records["anonymous"], checks, files)

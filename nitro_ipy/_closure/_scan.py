@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 from .._memo import Memo
 
-from ._records import MISSING
+from ._records import MISSING, class_attr_key, function_key, namespace_key, value_key
 from ._resolve import live_namespace, lookup, resolve_function, static_attr
 from ._snapshot import PlainFunction, SameObject, fast_form, matches
 from ._values import attr_fingerprint, value_fingerprint
@@ -68,6 +68,29 @@ class Check(NamedTuple):
     checker: object
     target: tuple  # a FunctionTarget, ValueTarget or AttrTarget
     name: str
+
+
+def function_check(dep, ns: dict) -> Check:
+    """The check that `dep` (a `FuncDep`) still resolves, in namespace `ns`, to code of its fingerprint."""
+    key = function_key(dep.module, ns, dep.qualname)
+    target = FunctionTarget(namespace_key(dep.module, ns), dep.module, ns, key, dep.qualname, dep.fingerprint)
+    return Check((*key, dep.fingerprint), check_function, target, dep.qualified)
+
+
+def value_check(dep, ns: dict, snap) -> Check:
+    """The check that global `dep` (a `ValueDep`) is still bound to a value of its fingerprint; `snap` is
+    its identity snapshot at record time (None when there is none, as for a closure loaded from disk)."""
+    key = value_key(dep.module, ns, dep.name)
+    target = ValueTarget(namespace_key(dep.module, ns), dep.module, ns, key, dep.name, dep.fingerprint, snap)
+    return Check((*key, dep.fingerprint), check_value, target, dep.qualified)
+
+
+def class_attr_check(dep, ns: dict, snap) -> Check:
+    """The check that class attribute `dep` (a `ClassAttrDep`) still has its fingerprint; `snap` as above."""
+    key = class_attr_key(dep.module, ns, dep.cls_qualname, dep.name)
+    target = AttrTarget(namespace_key(dep.module, ns), dep.module, ns, key, dep.cls_qualname, dep.name,
+                        dep.fingerprint, snap)
+    return Check((*key, dep.fingerprint), check_class_attr, target, dep.qualified)
 
 
 class Live:
