@@ -1,26 +1,32 @@
 """Checkpoints: `n.save(path)`, `Nitro(e, resume=path | "auto")`, and periodic saves with retention.
 
-A checkpoint is one `.npz` file written atomically (temp file + `os.replace`): every array of the handle's
+A checkpoint is one `.npz` file written atomically (temp file, fsync, `os.replace`, directory fsync) by a
+background writer once the state is on the host (`snapshot`, then `commit`): every array of the handle's
 state (`handle_state`: params, model state, optimizer state), and a JSON manifest of the experiment
 (GraphConst fingerprints and reprs, Device and Host values, hook fingerprints, versions), the training
 position (step, epoch, seed: the data order of epoch k is `(seed, k)`, so a resumed run continues the same
 stream) and the history. No pickle: a checkpoint is arrays and JSON.
 
-Why not orbax-checkpoint: on the 120-layer MLP's state (726 small arrays) a `StandardCheckpointer` save
-took 1.3-2.4 s here and its import 0.7 s, against 0.07 s for this format; an epoch of that model takes
-well under a second, and the target is a save under 10% of an epoch.
+Why not orbax-checkpoint: on the 120-layer MLP's state (245 small arrays) orbax 0.12.8's asynchronous
+`StandardCheckpointer` held the caller 348 ms per save and committed in 1.5 s (its import: 1.9 s),
+against 3 ms and 35 ms here; an epoch of that model takes well under a second, and the target is a save
+under 10% of an epoch (docs/persistence.md).
 
 Resuming refuses a GraphConst change (the programs, and the parameter shapes, depend on it) with the
 field-level diff, and lists changed Device/Host fields and edited hooks without refusing.
 """
 
+import atexit
 import dataclasses
 import functools
 import glob
 import json
 import os
+import queue
 import re
+import sys
 import tempfile
+import threading
 from importlib import metadata
 
 import jax
@@ -116,6 +122,8 @@ def manifest(n) -> dict:
         "step": int(n.step),
         "epoch": int(n.epoch),
         "seed": int(n.seed),
+        # An epoch cut short: its steps taken and their loss sum and count (a resume goes on there).
+        "cursor": [int(n._cursor[0]), float(n._cursor[1]), int(n._cursor[2])],
         "batch_size": n.batch_size,
         "accum": n.accum,
         "history": _jsonable(n.history),
@@ -134,49 +142,57 @@ def _jsonable(x):
 
 
 # ---------------------------------------------------------------- writing
-def _leaves(n, tree) -> tuple[list, str]:
-    """`tree`'s leaves as numpy (a leaf split over processes gathered whole) and its structure."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return [np.asarray(x) for x in n._place.host(leaves)], str(treedef)
+_DTYPE_NAMES: dict = {}  # dtype -> its name (`str(dtype)` is Python code in numpy, paid per array)
 
 
-def save(n, path) -> str:
-    """Write handle `n`'s checkpoint to `path` (a file; a directory gets `step-<step>.nitro.npz` inside).
-    Under `jax.distributed` every process calls it: all gather the arrays (a sharded one needs every
-    process), process 0 writes, and each returns once the file is there.
-
-    **Returns:** the file written."""
-    path = os.fspath(path)
-    if os.path.isdir(path) or path.endswith(os.sep):
-        path = os.path.join(path, f"step-{int(n.step):08d}{SUFFIX}")
-    elif not path.endswith(".npz"):
-        path += SUFFIX
-    state = {group: _leaves(n, tree) for group, tree in handle_state(n).items()}  # on every process
-    if is_main_process():
-        _write(n, path, state)
-    wait_for_all(f"nitro_ipy checkpoint at step {int(n.step)}")
-    return path
+def _dtype_name(dt) -> str:
+    name = _DTYPE_NAMES.get(dt)
+    if name is None:
+        name = _DTYPE_NAMES[dt] = str(dt)
+    return name
 
 
-def _write(n, path: str, state: dict) -> None:
-    """Write the checkpoint file of handle `n` from `state` (`{group: (numpy leaves, treedef)}`)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+def snapshot(n) -> tuple[dict, bytes]:
+    """`(manifest, data)`: handle `n`'s manifest (with the array layout) and every array's bytes, copied
+    to the host now. This is the part of a save the training loop waits for: the next step may donate
+    the device buffers, so the bytes are taken here; the file is written afterwards (`commit`).
+
+    Every array's bytes go in one buffer (a zip member per array costs more than the arrays, at 250 small
+    ones); dtype, shape and offset of each are in the manifest. bfloat16 and other ml_dtypes need no .npy
+    form this way either."""
     info = manifest(n)
-    # Every array's bytes in one buffer (a zip member per array costs more than the arrays, at 250 small
-    # ones); dtype, shape and offset of each are in the manifest. bfloat16 and other ml_dtypes need no
-    # .npy form this way either.
+    place = n._place
+    if getattr(place, "multi_process", False):  # under jax.distributed: arrays split over processes gathered
+        groups = [(group, (jax.tree_util.tree_leaves(place.host(tree)), jax.tree_util.tree_structure(tree)))
+                  for group, tree in handle_state(n).items()]  # (a collective: every process saves)
+    else:
+        groups = [(group, jax.tree_util.tree_flatten(tree)) for group, tree in handle_state(n).items()]
+    if jax.default_backend() != "cpu":  # every transfer under way before the first one is waited for
+        for _, (leaves, _) in groups:
+            for x in leaves:
+                if hasattr(x, "copy_to_host_async"):
+                    x.copy_to_host_async()
     chunks, layout, offset = [], {}, 0
-    for group, (leaves, treedef) in state.items():
+    for group, (leaves, treedef) in groups:
         entries = []
-        for a in leaves:
-            entries.append([str(a.dtype), list(a.shape), offset])
-            chunks.append(a.tobytes())
+        for x in leaves:
+            a = np.asarray(x)  # on CPU a view of the device buffer: `join` below is the one copy
+            entries.append([_dtype_name(a.dtype), list(a.shape), offset])
+            chunks.append(a.reshape(-1).view(np.uint8) if a.ndim and a.flags.c_contiguous else a.tobytes())
             offset += a.nbytes
-        layout[group] = {"treedef": treedef, "leaves": entries}
+        layout[group] = {"treedef": str(treedef), "leaves": entries}
     info["layout"] = layout
-    arrays = {"data": np.frombuffer(b"".join(chunks), np.uint8),
+    return info, b"".join(chunks)
+
+
+def commit(path: str, info: dict, data: bytes) -> None:
+    """Write a snapshot to `path` durably and atomically: a temp file in the same directory, fsync'ed,
+    renamed over `path`, then the directory fsync'ed (so the rename itself survives a power cut). A
+    crash at any point leaves `path` either absent or its previous content, never a partial file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    arrays = {"data": np.frombuffer(data, np.uint8),
               _MANIFEST: np.frombuffer(json.dumps(info, sort_keys=True).encode(), np.uint8)}
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-", suffix=".part")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".part")
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays)
@@ -187,11 +203,110 @@ def _write(n, path: str, state: dict) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    try:
+        dfd = os.open(directory, os.O_RDONLY)
+    except OSError:  # a platform without directory handles (Windows): the rename is what it offers
+        return
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+class _Writer:
+    """Commits checkpoints in a background thread, one at a time, in order.
+
+    `save` hands its snapshot here and returns: the file write and the fsyncs (most of a save's cost)
+    overlap the next steps. A commit is awaited before the next one is handed over, before any
+    checkpoint is read or listed here (`read`, `newest`), by `n.save(path, wait=True)`, at the end of a
+    `train()` that checkpoints, and at interpreter exit (`atexit`, which a kernel restart runs), so a
+    checkpoint is never lost to a normal exit. A failed commit is raised by the next save or wait (and
+    printed at exit if nothing waited).
+
+    The thread lives as long as the process and takes jobs from a queue: handing one over never waits
+    for a new thread to be scheduled (on a loaded machine that alone took milliseconds)."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._idle = threading.Event()
+        self._idle.set()
+        self._error: tuple | None = None  # (path, exception) of a failed commit
+        self._lock = threading.Lock()
+
+    def submit(self, path: str, info: dict, data: bytes, then=None) -> None:
+        with self._lock:
+            self.wait()
+            if self._thread is None or not self._thread.is_alive():  # the first save (or after a fork)
+                self._thread = threading.Thread(target=self._loop, name="nitro_ipy checkpoint writer", daemon=True)
+                self._thread.start()
+            self._idle.clear()
+            self._jobs.put((path, info, data, then))
+
+    def _loop(self):
+        while True:
+            path, info, data, then = self._jobs.get()
+            try:
+                commit(path, info, data)
+                if then is not None:
+                    then()
+            except BaseException as err:  # raised by whoever waits next
+                self._error = (path, err)
+            finally:
+                self._idle.set()
+
+    def wait(self) -> None:
+        """Until the pending commit is on disk; raises what it raised."""
+        self._idle.wait()
+        failed, self._error = self._error, None
+        if failed is not None:
+            path, err = failed
+            raise NitroValueError(f"the checkpoint `{path}` could not be written ({type(err).__name__}: {err}); "
+                                  f"the checkpoints written before it are whole.") from err
+
+    def _at_exit(self):
+        try:
+            self.wait()
+        except NitroValueError as err:
+            print(f"nitro_ipy: {err}", file=sys.stderr)
+
+
+_writer = _Writer()
+atexit.register(_writer._at_exit)
+wait = _writer.wait
+
+
+def save(n, path, *, wait: bool = False, then=None) -> str:
+    """Write handle `n`'s checkpoint to `path` (a file; a directory gets `step-<step>.nitro.npz` inside).
+
+    The state is copied to the host before this returns; the file is committed in the background
+    (`_Writer`) unless `wait=True`. `then()` runs after the commit, in the writer (retention). Under
+    `jax.distributed` every process calls it: all gather the arrays, process 0 writes, and each returns
+    once the file is there (no background commit: the other processes wait for it).
+
+    **Returns:** the file (being) written."""
+    path = os.fspath(path)
+    if os.path.isdir(path) or path.endswith(os.sep):
+        path = os.path.join(path, f"step-{int(n.step):08d}{SUFFIX}")
+    elif not path.endswith(".npz"):
+        path += SUFFIX
+    if is_main_process():
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    info, data = snapshot(n)  # under jax.distributed on every process: a sharded array needs them all
+    multi = jax.process_count() > 1
+    if is_main_process():  # process 0 writes (and prunes: `then`)
+        _writer.submit(os.path.abspath(path), info, data, then)
+        if wait or multi:
+            _writer.wait()
+    if multi:  # every process returns once the file is there, so each can resume from it
+        wait_for_all(f"nitro_ipy checkpoint at step {int(n.step)}")
+    return path
 
 
 # ---------------------------------------------------------------- reading
 def newest(directory) -> str | None:
     """The newest checkpoint in `directory` (highest step, then latest written), or None."""
+    _writer.wait()
     files = glob.glob(os.path.join(os.fspath(directory), "*" + SUFFIX))
     if not files:
         return None
@@ -206,6 +321,7 @@ def _step_of(path: str) -> int:
 def read(path) -> tuple[dict, dict]:
     """`(manifest, {group: [arrays]})` of a checkpoint file, or a `NitroValueError` saying what is wrong."""
     path = os.fspath(path)
+    _writer.wait()
     try:
         with np.load(path, allow_pickle=False) as z:
             info = json.loads(bytes(z[_MANIFEST]).decode())
@@ -297,6 +413,8 @@ def restore(n, path) -> None:
         state[group] = None if tree is None else n._place.like(jax.tree_util.tree_unflatten(treedef, arrays), tree)
     set_handle_state(n, state)
     n.step, n.epoch, n.seed = info["step"], info["epoch"], info["seed"]
+    pos, total, count = info.get("cursor", (0, 0.0, 0))
+    n._cursor = (int(pos), float(total), int(count))
     n.history.clear()  # the handle's own history object (a list of rows), refilled
     n.history.extend(info.get("history", []))
     _report.emit(Kind.RESUMED, path=str(path), step=n.step, epoch=n.epoch, notes=tuple(notes))
@@ -324,10 +442,8 @@ class Policy:
     def after_epoch(self, n) -> str | None:
         if n.epoch % self.every:
             return None
-        path = save(n, os.path.join(self.directory, f"step-{int(n.step):08d}{SUFFIX}"))
-        if is_main_process():  # the one process that writes is the one that deletes
-            self.retain()
-        return path
+        # Retention runs in the writer, after the commit: the loop waits for the host copy only.
+        return save(n, os.path.join(self.directory, f"step-{int(n.step):08d}{SUFFIX}"), then=self.retain)
 
     def retain(self) -> None:
         files = sorted(glob.glob(os.path.join(self.directory, "*" + SUFFIX)), key=_step_of)

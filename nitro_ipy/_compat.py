@@ -215,6 +215,27 @@ def is_concrete_array(v) -> bool:
 HOST_CALLBACK_PRIMITIVES = ("pure_callback", "io_callback", "debug_callback", "callback", "debug_print")
 
 
+def _runtime_errors() -> tuple:
+    """The exception types XLA raises when running an executable (`JaxRuntimeError` in newer JAX,
+    `XlaRuntimeError` before)."""
+    out = []
+    err = getattr(jax.errors, "JaxRuntimeError", None)
+    if isinstance(err, type):
+        out.append(err)
+    try:
+        from jax._src.lib import xla_client
+
+        err = getattr(xla_client, "XlaRuntimeError", None)
+        if isinstance(err, type) and err not in out:
+            out.append(err)
+    except Exception:
+        pass
+    return tuple(out) or (RuntimeError,)
+
+
+XLA_RUNTIME_ERRORS = _runtime_errors()
+
+
 def serialize_compiled(compiled) -> tuple[bytes, object, object]:
     """`(payload, in_tree, out_tree)` of a `jax.stages.Compiled` (`jax.experimental.serialize_executable`).
 

@@ -17,6 +17,7 @@ from ._carry import Retreed, holds_user_instances
 from ._compat import (
     FUSION_EMITTERS_OPTION,
     OPTIMIZATION_LEVEL_OPTION,
+    XLA_RUNTIME_ERRORS,
     YNN_FUSION_OPTION,
     jaxpr_eqns,
     own_compile,
@@ -144,7 +145,46 @@ def _load_or_build(key, fn, args, donate_argnums, info, record, compiler_options
     if entry is None:
         entry = _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, why,
                        out_shardings)
+    else:
+        rebuild = lambda live: _build(key, fn, live, donate_argnums, info, record, compiler_options,  # noqa: E731
+                                      sources, why, out_shardings)
+        entry.call = FirstRun(entry, donate_argnums, rebuild)
     return entry
+
+
+class FirstRun:
+    """The first call of a program loaded from the store, checked: a stored executable can load and yet
+    fail when it runs (XLA:CPU could not run an executable re-serialized after JAX's persistent cache
+    had served it: `JaxRuntimeError: NOT_FOUND: Function ... not found`). If that first run raises an
+    XLA runtime error, the file is deleted (said once), the program is compiled from its source as on a
+    miss, and the call is retried: a bad file costs a compile, never the user's training step.
+
+    The donated arguments are copied for that first run, so a run that fails after XLA took their
+    buffers leaves the caller's intact for the retry; its outputs are waited for, so an error is seen
+    here. After a good first run the entry calls the executable directly."""
+
+    def __init__(self, entry, donate_argnums: tuple, rebuild):
+        self.entry, self.donate, self.rebuild = entry, tuple(donate_argnums), rebuild
+        self.compiled = entry.call
+
+    def __call__(self, *args):
+        entry = self.entry
+        safe = tuple(jax.device_put(a, may_alias=False) if i in self.donate else a for i, a in enumerate(args))
+        try:
+            out = jax.block_until_ready(self.compiled(*safe))
+        except XLA_RUNTIME_ERRORS as err:
+            first = (str(err).strip().splitlines() or [""])[0]
+            _store.forget(entry.key, f"loaded, but its first run failed: {type(err).__name__}: {first[:200]}")
+            fresh = self.rebuild(args)
+            for name in ("call", "trace_s", "compile_s", "closure", "compiler_options", "operations",
+                         "constants", "origin", "unstorable"):
+                setattr(entry, name, getattr(fresh, name))
+            _save(entry)
+            _report.emit(Kind.COMPILE, entry=entry)
+            return entry.call(*args)
+        if entry.call is self:
+            entry.call = self.compiled
+        return out
 
 
 def _save(entry) -> None:

@@ -176,6 +176,9 @@ class Nitro:
         # reference cycle outlives its last name until a garbage collection, and its programs with it.
         self._rng_place = None if not b.wants_rng else place if on_mesh else False
 
+        # Where an epoch an interrupt cut short stopped: (its steps taken, their loss sum and count); the
+        # next train() goes on from there (`_loop.train_epoch`). (0, 0.0, 0) at an epoch boundary.
+        self._cursor = (0, 0.0, 0)
         self._programs: dict = {}  # key -> Entry: what this handle runs (kept even if poisoned)
         self._guard_parts = None  # values a step's guard checks (`_loop.guard_parts`), once known
         self._progress = None  # the running train() call's `_progress.Progress`, read by the step loop
@@ -206,11 +209,15 @@ class Nitro:
         """The optimizer state (over the flat parameter buffers unless `flat_params=False`)."""
         return self._opt_state
 
-    def save(self, path) -> str:
-        """Write a checkpoint (params, model and optimizer state, step, epoch, seed, history and the
-        experiment's manifest) to `path`, atomically; a directory gets `step-<step>.nitro.npz`.
-        Resume it with `Nitro(e, resume=path)`. Returns the file written."""
-        return _checkpoint.save(self, path)
+    def save(self, path, *, wait: bool = False) -> str:
+        """Write a checkpoint (params, model and optimizer state, step, epoch, seed, the position in a cut
+        epoch, history and the experiment's manifest) to `path`, atomically; a directory gets
+        `step-<step>.nitro.npz`. Resume it with `Nitro(e, resume=path)`. Returns the file's path.
+
+        The state is copied off the device before this returns; the file is written and fsync'ed in the
+        background (`wait=True`: before this returns). nitro_ipy waits for it before the next save,
+        before reading a checkpoint and at exit (a kernel restart included)."""
+        return _checkpoint.save(self, path, wait=wait)
 
     def rebuild(self, e=None) -> "Nitro":
         """A new handle with the current params, model state and optimizer state carried over and hooks
@@ -224,6 +231,7 @@ class Nitro:
         carry = (self.params, self._model_state, self._opt_state, self.step, self.epoch)
         new = Nitro._carrying(self.experiment if e is None else e, self._options, carry)
         new._curve = list(self._curve)  # the loss chart goes on where it was
+        new._cursor = self._cursor  # and a cut epoch where it stopped
         return new
 
     def __repr__(self):
@@ -340,6 +348,8 @@ class Nitro:
             raise
         finally:
             self._progress = None
+        if self._checkpoints is not None:  # the last periodic checkpoint is on disk when train() returns
+            _checkpoint.wait()
         if progress is not None:
             progress.close()
         return rows

@@ -80,7 +80,15 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
     optimizer program has kept the parameters of the last finite step (`_guard`).
     """
     place = n._place  # on a mesh, each batch is split along the data axis as it is drawn
-    batches = place.batches(train_batches(split, fields, n.batch_size, n.accum, (n.seed, n.epoch)), n.accum > 1)
+    # An epoch an interrupt cut short goes on at its next batch, with the losses it had: an interrupted
+    # (or checkpointed mid-epoch and resumed) run takes the uninterrupted run's steps, in its order.
+    start, total, n_loss = n._cursor if n._cursor[0] <= steps else (0, 0.0, 0)
+    n._cursor = (start, total, n_loss)  # read by `nonfinite_error` while the epoch runs
+    if start == steps:  # every step was taken, the epoch not counted yet (Ctrl-C after its last step)
+        n._cursor = (0, 0.0, 0)
+        return total / max(n_loss, 1), 0
+    batches = place.batches(train_batches(split, fields, n.batch_size, n.accum, (n.seed, n.epoch), start),
+                            n.accum > 1)
     step0 = n.step
     # The guard is a tiny int32 vector: replicated on a mesh, like every scalar the programs take.
     n._guard = place.replicate(_guard.fresh(guard_parts(n)))
@@ -138,6 +146,7 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
                     reused = 0
                     _cache.publish("progress")  # the live panel, never per step
                     next_sync = perf_counter() + _SYNC_SECONDS
+                gate.defer = False
             if gate.pending and gate.cuts_epoch():
                 raise KeyboardInterrupt
             seen, guard = check_losses(n, seen, bar, step0, split, fields)
@@ -145,8 +154,10 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
     finally:
         count_reuse(grad, opt, reused)
         if not settled:  # Ctrl-C or an error: a bad step before it still counts as not applied
-            settle(n, step0)
-    return seen[0] / max(seen[1], 1), _guard.bad_steps(guard)
+            total, n_loss = settle(n, step0, total, n_loss)
+            n._cursor = (start + n.step - step0, total, n_loss)
+    n._cursor = (0, 0.0, 0)
+    return (total + seen[0]) / max(n_loss + seen[1], 1), _guard.bad_steps(guard)
 
 
 def guard_parts(n) -> int:
@@ -197,8 +208,9 @@ def nonfinite_error(n, guard, step0: int, split: dict, fields) -> NonFiniteLossE
     n.step = step0 + _guard.first_bad(guard)
     binding = n._binding
 
-    def batch_at(index):
-        for i, batch in enumerate(train_batches(split, fields, n.batch_size, n.accum, (n.seed, n.epoch))):
+    def batch_at(index):  # `index` counts from the step the epoch (or what is left of it) began at
+        start = n._cursor[0]
+        for i, batch in enumerate(train_batches(split, fields, n.batch_size, n.accum, (n.seed, n.epoch), start)):
             if i == index:
                 return batch
 
@@ -218,18 +230,23 @@ def nonfinite_error(n, guard, step0: int, split: dict, fields) -> NonFiniteLossE
     return _guard.diagnose(n, guard, step0, batch_at, dev_at, regrad)
 
 
-def settle(n, step0: int):
+def settle(n, step0: int, total: float, count: int) -> tuple:
     """After Ctrl-C or an error: with `on_nonfinite="raise"`, a bad step the loop had not seen yet
-    still ends the handle at the last finite step (the programs applied nothing after it)."""
+    still ends the handle at the last finite step (the programs applied nothing after it).
+
+    **Returns:** `(total, count)` with the finite losses of the steps kept folded in (what the rest of
+    the epoch starts from): the guard's sum, which holds only the losses of the steps it applied."""
     guard = getattr(n, "_guard", None)
-    if n.on_nonfinite != "raise" or guard is None:
-        return
+    if guard is None:
+        return total, count
     try:
         guard = jax.device_get(guard)
     except Exception:  # a guard donated to a step that never finished: nothing was applied either
-        return
-    if _guard.bad_steps(guard):
+        return total, count
+    if n.on_nonfinite == "raise" and _guard.bad_steps(guard):
         n.step = step0 + _guard.first_bad(guard)
+    more, counted = _guard.loss_sum(guard)
+    return total + more, count + counted
 
 
 def count_reuse(grad, opt, steps: int):

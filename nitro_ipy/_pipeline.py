@@ -17,8 +17,9 @@ from . import _ahead
 from ._data import split_len
 
 
-def train_batches(split: dict, fields, batch_size: int, accum: int, epoch_seed):
-    """The batches of `_data.train_batches` (same order, same shapes), each already on the device."""
+def train_batches(split: dict, fields, batch_size: int, accum: int, epoch_seed, start: int = 0):
+    """The batches of `_data.train_batches` (same order, same shapes), each already on the device, from
+    the `start`-th on (an epoch an interrupt cut short goes on where it stopped, in the same order)."""
     n = split_len(split)
     per_step = batch_size * accum
     steps = n // per_step
@@ -33,19 +34,21 @@ def train_batches(split: dict, fields, batch_size: int, accum: int, epoch_seed):
         shaped[f] = a.reshape(lead + a.shape[1:])
     views = [shaped[f] for f in fields]
     at = lambda s: dict(zip(fields, [v[s] for v in views]))
+    if start >= steps:
+        return
     try:
         if jax.default_backend() == "cpu":  # numpy views, converted by the program call itself
-            for s in range(steps):
-                if s == 1:
+            for s in range(start, steps):
+                if s == start + 1:
                     _ahead.stepping(True)  # the first step (and its compiles) is done
                 yield dict(zip(fields, [v[s] for v in views]))
             return
-        ahead = jax.device_put(at(0))
-        for s in range(steps):
+        ahead = jax.device_put(at(start))
+        for s in range(start, steps):
             batch = ahead
             if s + 1 < steps:  # the next batch's transfer starts before this step is dispatched
                 ahead = jax.device_put(at(s + 1))
-            if s == 1:
+            if s == start + 1:
                 _ahead.stepping(True)
             yield batch
     finally:

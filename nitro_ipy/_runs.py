@@ -13,7 +13,9 @@ early stopping (`stop_when=`), and `n.history` as a table.
 
 **What a stop keeps.** The step in flight completes and stores its results; params, optimizer state,
 `n.step` count every step taken. An epoch cut short is not counted: `n.epoch` and `n.history` hold the
-completed epochs only, and the next `train()` starts that epoch again (the same shuffle). A stop asked
+completed epochs only, and the next `train()` goes on with that epoch at its next batch (the same
+shuffle, the same rng stream: interrupted and continued, or checkpointed there and resumed, a run takes
+exactly the uninterrupted run's steps). A stop asked
 for during validation lets validation finish, so its row is whole.
 
 **Messages of a background run** (compile lines, epoch lines, stale warnings) are collected on the run,
@@ -70,13 +72,13 @@ class RunControl(InterruptGate):
         self.stop_reason = None
         self.steps = steps  # optimizer steps per epoch
         self.epoch = handle.epoch + 1  # the epoch being trained (1-based)
-        self.epoch_start = handle.step  # `n.step` when it began
+        self.epoch_start = handle.step - handle._cursor[0]  # `n.step` when it began (maybe in an earlier call)
         self.validating = False
         self.rows = []  # this call's completed epoch rows
 
     def begin_epoch(self):
         n = self.handle
-        self.epoch, self.epoch_start, self.validating = n.epoch + 1, n.step, False
+        self.epoch, self.epoch_start, self.validating = n.epoch + 1, n.step - n._cursor[0], False
 
     def request_stop(self, reason: str):
         self.stop_reason = reason

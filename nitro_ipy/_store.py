@@ -365,6 +365,14 @@ def _refuse(path: str, reason: str) -> None:
         _report.emit(Kind.STORE_REFUSED, name=os.path.basename(path), reason=reason)
 
 
+def forget(key, reason: str) -> None:
+    """Delete `key`'s stored program, which loaded but must not be used (`_compile.FirstRun`), saying
+    why once."""
+    programs = active_dir()
+    if programs is not None:
+        _refuse(os.path.join(programs, key_digest(key) + _SUFFIX), reason)
+
+
 def load(key, info: dict | None = None, why: str | None = None):
     """The stored program for `key` as a `_cache.Entry` (origin "disk"), or None.
 

@@ -2,13 +2,16 @@
 checkpoint), a GraphConst change is refused with the field diff, Device/Host changes and edited hooks
 are listed, periodic saves keep what the retention policy says.
 
-Cost: one child process (about 4 s); the rest trains tiny models in this process."""
+Cost: one child process (about 4 s), and three (4, 1, 4 devices: 30-60 s, mostly compiles) for the
+checkpoints across device counts; the rest trains tiny models in this process."""
 
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -146,6 +149,68 @@ def test_periodic_checkpoints_keep_the_newest_and_the_best(tmp_path):
     assert _handle(checkpoint_dir=tmp_path / "empty", resume="auto").step == 0  # nothing yet: a fresh start
 
 
+@dataclasses.dataclass
+class Noisy(Tiny):
+    """Tiny with a draw from the step's rng in every step: a resume must continue the rng stream too."""
+
+    def forward(self, params, *, x, rng):
+        return jnp.tanh((x + 0.3 * jax.random.normal(rng, x.shape)) @ params["w1"]) @ params["w2"]
+
+
+def _ctrl_c_at(step):
+    """A schedule of `lr` that presses Ctrl-C (a real SIGINT), once, while global step `step` is dispatched."""
+    pressed = []
+
+    def lr(s):
+        if s == step and not pressed:
+            pressed.append(s)
+            t = threading.Timer(0, os.kill, (os.getpid(), signal.SIGINT))
+            t.start()
+            t.join()
+        return 1e-2
+    return lr
+
+
+# Global steps (5 a epoch): the first step of all, mid-epoch 2, the last step of epoch 1 (all its steps
+# taken, the epoch not counted: Ctrl-C cuts it before validation), the first step of epoch 3.
+@pytest.mark.parametrize("at", [0, 7, 4, 10])
+def test_a_run_cut_mid_epoch_and_resumed_equals_an_uninterrupted_one(tmp_path, at):
+    straight = _handle(Noisy(), schedules={"lr": lambda s: 1e-2})
+    straight.train(3)
+    cut = _handle(Noisy(), schedules={"lr": _ctrl_c_at(at)})
+    with pytest.raises(nitro_ipy.TrainingInterrupted):
+        cut.train(3)
+    taken = at + 1 if at % 5 else at  # Ctrl-C in an epoch's first step lands before it (its schedule runs first)
+    assert (cut.step, cut.epoch) == (taken, at // 5)
+    path = cut.save(tmp_path / "mid")  # a checkpoint in the middle of an epoch
+    resumed = _handle(Noisy(), schedules={"lr": lambda s: 1e-2}, resume=path)
+    assert (resumed.step, resumed.epoch) == (cut.step, cut.epoch)
+    resumed.train(3 - resumed.epoch)
+    cut.train(3 - cut.epoch)  # and in this process: the next train() goes on where Ctrl-C stopped it
+    for n in (resumed, cut):
+        assert (n.step, n.epoch) == (15, 3)
+        assert _equal(n.params, straight.params) and _equal(n.state, straight.state)
+        assert [r["epoch"] for r in n.history] == [1, 2, 3]
+        for got, want in zip(n.history, straight.history):  # a cut epoch's mean loss spans both parts
+            assert got.keys() == want.keys()
+            assert all(got[k] == pytest.approx(want[k], rel=1e-12) for k in got)
+
+
+def test_a_failed_background_write_is_raised_by_the_next_save_and_leaves_nothing_behind(tmp_path):
+    n = _handle()
+    n.train(1)
+    (tmp_path / "c.nitro.npz" / "in-the-way").mkdir(parents=True)  # a directory where the file goes
+    assert n.save(tmp_path / "c") == str(tmp_path / "c.nitro.npz")  # returns; the rename fails behind it
+    with pytest.raises(nitro_ipy.NitroValueError) as err:
+        n.save(tmp_path / "d")
+    assert str(err.value).startswith(f"the checkpoint `{tmp_path / 'c.nitro.npz'}` could not be written (")
+    assert str(err.value).endswith("; the checkpoints written before it are whole.")
+    assert not (tmp_path / "d.nitro.npz").exists()  # refused before it was taken
+    assert not list(tmp_path.glob(".tmp-*"))  # the failed write's temp file is gone
+    path = n.save(tmp_path / "e", wait=True)  # and saving works again, on disk when it returns
+    assert os.path.isfile(path) and _handle(resume=path).step == 5
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(checkpoint_every=1), r"`checkpoint_every=` needs `checkpoint_dir=`"),
     (dict(checkpoint_dir="x", checkpoint_every=0), r"`checkpoint_every` must be a positive number of epochs; got 0"),
@@ -181,3 +246,87 @@ def test_a_checkpoint_from_another_process_resumes_here(tmp_path):
     resumed.train(1)
     assert _equal(resumed.params, straight.params) and _equal(resumed.state, straight.state)
     assert resumed.history == straight.history
+
+
+# ---------------------------------------------------------------- across device counts (issue 16)
+DEVICES_CHILD = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", {devices})
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+from nitro_ipy import Nitro
+import exp
+
+mesh = Mesh(np.array(jax.devices()), ("data",)) if {devices} > 1 else None
+# Two layouts: the flat parameter buffers (replicated on the mesh), and per-array parameters with `w1`
+# sharded along the data axis (FSDP-style) on the mesh.
+LAYOUTS = {{"flat": {{}}, "sharded": {{"flat_params": False}}}}
+rule = lambda path, shape: P(None, "data") if path == "w1" else None
+
+def handle(layout, **kw):
+    kw.update(LAYOUTS[layout])
+    if mesh is not None:
+        kw["mesh"] = mesh
+        if layout == "sharded":
+            kw["param_sharding"] = rule
+    return Nitro(exp.Regression(), data=exp.data(), batch_size=32, max_epochs=2, progress=False, **kw)
+
+out = {{"devices": len(jax.devices())}}
+for layout in LAYOUTS:
+    out[layout] = {{}}
+    if sys.argv[2] != "-":  # the uninterrupted run the resumed one must equal
+        straight = handle(layout)
+        out[layout]["straight"] = exp.summary(straight, straight.train())
+    half = handle(layout)
+    half.train(1)
+    half.save(sys.argv[1] + f"/{{layout}}-{devices}.nitro.npz")
+    other = sys.argv[1] + f"/{{layout}}-{{sys.argv[2]}}.nitro.npz"
+    if sys.argv[2] != "-":  # resume the checkpoint the other device count wrote
+        n = handle(layout, resume=other)
+        at = [n.step, n.epoch]
+        n.train(1)
+        out[layout]["resumed"] = exp.summary(n, list(n.history))
+        out[layout]["at"] = at
+        out[layout]["w1"] = str(n.params["w1"].sharding.spec) if layout == "sharded" and mesh is not None else None
+print(json.dumps(out))
+"""
+
+
+def _devices_child(tmp_path, devices: int, other: str):
+    from _modules import json_in_child
+    from test_sharding import EXPERIMENT
+
+    (tmp_path / "exp.py").write_text(EXPERIMENT)
+    code = DEVICES_CHILD.format(devices=devices)
+    script = tmp_path / f"child{devices}.py"
+    script.write_text(code)
+    wrapper = f"import sys; sys.argv = ['x', {str(tmp_path)!r}, {other!r}]; exec(open({str(script)!r}).read())"
+    return json_in_child(wrapper, tmp_path, "0", timeout=240)
+
+
+def _close(a: dict, b: dict):
+    assert [r["epoch"] for r in a["rows"]] == [r["epoch"] for r in b["rows"]]
+    for ra, rb in zip(a["rows"], b["rows"]):
+        assert ra.keys() == rb.keys()
+        np.testing.assert_allclose([ra[k] for k in ra], [rb[k] for k in ra], rtol=1e-5)
+    for k in a["params"]:
+        np.testing.assert_allclose(a["params"][k], b["params"][k], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(a["predict"], b["predict"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_written_on_4_devices_resumes_on_1_and_back(tmp_path):
+    # 4 devices write; 1 device writes its own and resumes theirs; 4 devices resume the 1-device one.
+    four = _devices_child(tmp_path, 4, "-")
+    one = _devices_child(tmp_path, 1, "4")
+    four_again = _devices_child(tmp_path, 4, "1")
+    assert (four["devices"], one["devices"], four_again["devices"]) == (4, 1, 4)
+    for layout in ("flat", "sharded"):
+        assert one[layout]["at"] == four_again[layout]["at"] == [8, 1]  # 256 examples, batches of 32
+        # Resumed where the other device count left off, each equals its own uninterrupted run (to float
+        # tolerance: the two device counts reduce in a different order).
+        _close(one[layout]["resumed"], one[layout]["straight"])
+        _close(four_again[layout]["resumed"], four_again[layout]["straight"])
+        _close(one[layout]["straight"], four_again[layout]["straight"])
+    assert four_again["sharded"]["w1"] == "P(None, 'data')"  # placed as the live handle's rule says
+

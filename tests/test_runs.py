@@ -105,8 +105,8 @@ def test_stop_completes_the_step_in_flight_and_keeps_completed_epochs():
     assert (n.step, n.epoch) == (15, 1)  # step 14 completed; the cut epoch 2 does not count
     assert "stopped (stopped by `run.stop()`)" in repr(run)
     assert not any(x.is_deleted() for x in jax.tree.leaves((n.params, n.state)))
-    # Nothing lost: the handle trains on from there, as one that trained 15 steps in the foreground.
-    assert [r["epoch"] for r in n.train(1)] == [2] and (n.step, n.epoch) == (25, 2)
+    # Nothing lost: the next train() finishes the cut epoch 2 at its next batch (an uninterrupted run's steps).
+    assert [r["epoch"] for r in n.train(1)] == [2] and (n.step, n.epoch) == (20, 2)
     assert nitro_ipy.cache_stats().misses == nitro_ipy.cache_stats().entries == 3
 
 
@@ -272,7 +272,7 @@ def test_ctrl_c_ends_a_foreground_train_with_one_line():
     assert (err.value.epoch, err.value.step, err.value.steps, len(err.value.rows)) == (2, 4, 10, 1)
     assert (n.step, n.epoch, len(n.history)) == (14, 1, 1)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    assert len(n.train(1)) == 1 and (n.step, n.epoch) == (24, 2)
+    assert len(n.train(1)) == 1 and (n.step, n.epoch) == (20, 2)  # epoch 2 goes on at its 5th step
 
 
 def test_ctrl_c_during_validation_keeps_the_epochs_row():

@@ -6,6 +6,7 @@ Cost: three child processes (about 4 s each) in `test_restart_*`; the rest runs 
 import dataclasses
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -285,6 +286,56 @@ def test_a_program_served_by_jax_cache_is_not_stored_and_a_reload_still_runs(sto
     third = _train()  # compiled through JAX's cache again; before the fix: NOT_FOUND: Function ... fusion
     assert not any("from disk" in t for t in _compiles(messages))
     assert first.history == second.history == third.history
+
+
+def _reserialize(path):
+    """Rewrite a stored program with its executable loaded and serialized once more: a whole file that
+    passes every check and loads, and whose first run fails (XLA:CPU cannot serialize a deserialized
+    executable: the bug a JAX-cache hit written to the store caused)."""
+    import hashlib
+    import io
+    import pickle
+
+    from nitro_ipy._compat import deserialize_compiled, serialize_compiled
+
+    header, payload = _store.read_header(path.read_bytes())
+    exe, in_tree, out_tree = _store._TreeUnpickler(io.BytesIO(payload)).load()
+    payload = pickle.dumps(serialize_compiled(deserialize_compiled(exe, in_tree, out_tree)),
+                           protocol=pickle.HIGHEST_PROTOCOL)
+    header["payload"] = {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    head = json.dumps(header, sort_keys=True).encode()
+    path.write_bytes(b"NITROPS1" + struct.pack(">Q", len(head)) + head + payload)
+
+
+def test_a_stored_program_that_loads_but_fails_its_first_run_is_dropped_recompiled_and_retried(store, messages):
+    first = _train()
+    names = [p.name for p in _files(store)]
+    for path in _files(store):
+        _reserialize(path)
+    nitro_ipy.cache_reset()
+    messages.clear()
+    second = _train()  # each program: loaded, its first run fails, compiled, that step retried
+    refused = [m for m in messages if m.kind == _report.Kind.STORE_REFUSED]
+    assert sorted(m.data["name"] for m in refused) == names  # each said once
+    for m in refused:
+        assert re.fullmatch(r"nitro_ipy: stored program [0-9a-f]{32}\.nxp refused \(loaded, but its first run "
+                            r"failed: JaxRuntimeError: NOT_FOUND: Function \S+ not found \(type id: \d+\)\); "
+                            r"deleted, it compiles as usual\.", m.text), m.text
+    lines = _compiles(messages)
+    assert [(t.split()[2], " from disk " in t) for t in lines] == [
+        ("grad", True), ("grad", False), ("opt", True), ("opt", False), ("eval", True), ("eval", False)]
+    stats = nitro_ipy.cache_stats()
+    assert stats.misses == stats.entries == 3  # the recompile replaced the loaded program in its entry
+    assert second.history == first.history and second.step == first.step
+    assert jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), first.params, second.params) == {"w1": True, "w2": True}
+    assert [p.name for p in _files(store)] == names  # stored again, from the fresh compile
+    nitro_ipy.cache_reset()
+    messages.clear()
+    third = _train()  # and those load and run
+    assert [(t.split()[2], " from disk " in t) for t in _compiles(messages)] == [
+        ("grad", True), ("opt", True), ("eval", True)]
+    assert not [m for m in messages if m.kind == _report.Kind.STORE_REFUSED]
+    assert third.history == first.history
 
 
 def test_reset_disk_magic_clears_and_stats_show_the_store(store):
