@@ -368,7 +368,7 @@ class Nitro:
             row = {"epoch": self.epoch + 1, "loss": loss}
             if self.on_nonfinite == "skip":
                 row["skipped"] = skipped
-            self.epoch += 1
+            self._cursor, self.epoch = (0, 0.0, 0), self.epoch + 1  # counted: no signal handler runs between the two stores
             # In the history before validation, so an interrupt there keeps the epoch's row.
             self.history.append(row)
             rows.append(row)

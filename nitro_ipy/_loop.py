@@ -85,8 +85,7 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
     start, total, n_loss = n._cursor if n._cursor[0] <= steps else (0, 0.0, 0)
     n._cursor = (start, total, n_loss)  # read by `nonfinite_error` while the epoch runs
     if start == steps:  # every step was taken, the epoch not counted yet (Ctrl-C after its last step)
-        n._cursor = (0, 0.0, 0)
-        return total / max(n_loss, 1), 0
+        return total / max(n_loss, 1), 0  # the caller counts it and resets the cursor
     batches = place.batches(train_batches(split, fields, n.batch_size, n.accum, (n.seed, n.epoch), start),
                             n.accum > 1)
     step0 = n.step
@@ -156,7 +155,9 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
         if not settled:  # Ctrl-C or an error: a bad step before it still counts as not applied
             total, n_loss = settle(n, step0, total, n_loss)
             n._cursor = (start + n.step - step0, total, n_loss)
-    n._cursor = (0, 0.0, 0)
+    # Every step taken: the cursor stays at the epoch's end until the caller counts the epoch, so a
+    # Ctrl-C landing in between leaves an epoch the next call counts, never one it replays.
+    n._cursor = (steps, total + seen[0], n_loss + seen[1])
     return (total + seen[0]) / max(n_loss + seen[1], 1), _guard.bad_steps(guard)
 
 

@@ -196,6 +196,31 @@ def test_a_run_cut_mid_epoch_and_resumed_equals_an_uninterrupted_one(tmp_path, a
             assert all(got[k] == pytest.approx(want[k], rel=1e-12) for k in got)
 
 
+def test_an_epoch_whose_steps_all_ran_but_was_not_counted_is_counted_next_not_replayed():
+    """What a Ctrl-C leaves when it lands after an epoch's last step but before the epoch is counted
+    (between the step loop's return and `n.epoch += 1`): the next `train()` counts that epoch without
+    running its steps again. The window is a few bytecodes wide, so it is entered here by running the
+    step loop the way `train()` does and not counting the epoch."""
+    from nitro_ipy import _loop, _runs
+
+    straight = _handle(Noisy())
+    straight.train(2)
+    cut = _handle(Noisy())
+    cut.train(1)
+    b = cut._binding
+    split = b.split("train")
+    fields = sorted(set(b.routes["forward"].pick(split)) | set(b.routes["loss"].pick(split)))  # as train() picks
+    control = _runs.RunControl(cut, 5)
+    control.begin_epoch()
+    _loop.train_epoch(cut, split, fields, 5, control)  # epoch 2's steps; not counted
+    assert (cut.step, cut.epoch, cut._cursor[0]) == (10, 1, 5)
+    assert control.where() == "epoch 2, step 5/5"
+    cut.train(1)
+    assert (cut.step, cut.epoch, cut._cursor) == (10, 2, (0, 0.0, 0))  # counted, not replayed
+    assert _equal(cut.params, straight.params)
+    assert [r["loss"] for r in cut.history] == pytest.approx([r["loss"] for r in straight.history], rel=1e-12)
+
+
 def test_a_failed_background_write_is_raised_by_the_next_save_and_leaves_nothing_behind(tmp_path):
     n = _handle()
     n.train(1)
