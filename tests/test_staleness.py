@@ -419,7 +419,7 @@ def test_a_method_edited_on_its_class_after_quiet_cells(ip, capsys, how):
     run(ip, capsys, BASE.format(defs="", forward='x @ params["w"]'))
     for _ in range(3):
         run(ip, capsys, "pass")  # quiet cells: each scans, settling the methods by identity
-    edit = METHOD_EDITS[how]
+    edit = textwrap.dedent(METHOD_EDITS[how])  # dedented before the unindented line joins it
     out = run(ip, capsys, edit + "\nn.train(); old = n.predict({'x': X[:2]})")
     assert f"{STALE_LINE}: __main__.E.forward (grad, predict)" in out, out
     np.testing.assert_array_equal(ip.user_ns["old"], ip.user_ns["before"])
