@@ -338,11 +338,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_train_like_one(tmp_path, monkeypatch):
-    (tmp_path / "exp.py").write_text(EXPERIMENT)
-    (tmp_path / "worker.py").write_text(WORKER)
+def _two_workers(tmp_path, *args) -> tuple[list, list, list]:
+    """Run `worker.py` as processes 0 and 1 of a `jax.distributed` run on a free loopback port, each
+    bounded in time; returns each one's last JSON line, its `nitro_ipy:` lines and its `(stdout, stderr)`."""
     port, env = free_port(), child_env(tmp_path)
-    procs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(i), str(port)], env=env,
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(i), str(port), *args], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     try:
         outs = [p.communicate(timeout=CHILD_TIMEOUT) for p in procs]
@@ -354,6 +354,13 @@ def test_two_processes_train_like_one(tmp_path, monkeypatch):
         assert p.returncode == 0, err[-4000:]
     results = [last_json(o) for o, _ in outs]
     printed = [[ln for ln in o.splitlines() if ln.startswith("nitro_ipy:")] for o, _ in outs]
+    return results, printed, outs
+
+
+def test_two_processes_train_like_one(tmp_path, monkeypatch):
+    (tmp_path / "exp.py").write_text(EXPERIMENT)
+    (tmp_path / "worker.py").write_text(WORKER)
+    results, printed, outs = _two_workers(tmp_path)
 
     # The reference: the same run on this process's one device.
     e = import_source(tmp_path, monkeypatch, "exp", EXPERIMENT)
@@ -424,19 +431,7 @@ def test_two_processes_checkpoint_on_process_0_and_resume_alike(tmp_path, monkey
     (tmp_path / "worker.py").write_text(CHECKPOINT_WORKER)
     root = tmp_path / "ck"
     root.mkdir()
-    port, env = free_port(), child_env(tmp_path)
-    procs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(i), str(port), str(root)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    try:
-        outs = [p.communicate(timeout=CHILD_TIMEOUT) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-4000:]
-    results = [last_json(o) for o, _ in outs]
-    printed = [[ln for ln in o.splitlines() if ln.startswith("nitro_ipy:")] for o, _ in outs]
+    results, printed, _ = _two_workers(tmp_path, str(root))
 
     # The reference: one epoch, save, resume, one more epoch, on this process's one device.
     e = import_source(tmp_path, monkeypatch, "exp", EXPERIMENT)
