@@ -203,6 +203,24 @@ def test_run_events_for_front_ends():
     assert seen == [(False, threading.current_thread().name), (True, "nitro_ipy run (Knob)")]
 
 
+def test_background_runs_reuse_an_idle_worker_and_side_by_side_runs_get_their_own():
+    """A warm worker thread dispatches faster than a new one (bench_runs), so an ended run's worker
+    trains the next run; two runs at once each have one, and an idle worker is named as such."""
+    threads = []
+    for _ in range(2):
+        run = _handle(max_epochs=1).train(background=True)
+        run.wait()
+        threads.append(run._thread)
+    assert threads[0] is threads[1] and threads[0].is_alive() and threads[0].name == "nitro_ipy run (idle)"
+    first, second = Steer(at=2), Steer(at=2)
+    runs = [_handle(first, max_epochs=1).train(background=True), _handle(second, max_epochs=1).train(background=True)]
+    assert first.reached.wait(60) and second.reached.wait(60)  # both hold a step at once: two workers
+    assert runs[0]._thread is not runs[1]._thread and threads[0] in (runs[0]._thread, runs[1]._thread)
+    assert sorted(r._thread.name for r in runs) == ["nitro_ipy run (Knob)"] * 2
+    first.go.set(), second.go.set()
+    assert [len(r.wait()) for r in runs] == [1, 1]
+
+
 def test_a_background_run_is_pinned_to_its_code():
     global _pin_helper
     steer = Steer(at=4)
