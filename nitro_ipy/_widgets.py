@@ -26,6 +26,11 @@ from IPython.display import display
 from . import _cache, _html, _progress, _report
 from ._report import Kind
 
+try:  # the server extension's marker (a package apart: the Jupyter server must not import JAX)
+    from nitro_ipy_server import MARK
+except ImportError:  # nitro_ipy on a path without its sibling: the same key, said here
+    MARK = "nitro_ipy"
+
 # The message kinds shown as boxes, their tone (colour), and their title line. Others stay text lines.
 STYLES = {
     Kind.STALE_CACHE: "info",  # informational: the poisoning is what makes the next handle see the edit
@@ -49,6 +54,11 @@ REBUILD = "Rebuild handle"
 STOP = "Stop"
 RETIRED_NO_NAME = "no longer needed: no name holds that handle any more (it was rebuilt or dropped)"
 RETIRED_MOVED_ON = "not clicked before the next cell ran; to use the current code: `{name} = {name}.rebuild()`"
+# What a live button's output says in a notebook saved while it could still be clicked (the server
+# extension `nitro_ipy_server` writes this static form to disk instead of the widget view).
+SAVED_REBUILD = "not clicked when the notebook was saved; to use the current code: `{name} = {name}.rebuild()`"
+SAVED_STOP = ("live when the notebook was saved: a background run{what} was training; the panel above "
+              "shows how far it had got, its Stop button stops it only in the kernel that ran it")
 _PREFIXES = ("nitro_ipy: ", "! ")
 
 
@@ -66,13 +76,16 @@ class Rich:
 
 
 def show(obj, handle=None):
-    """Display `obj` (anything with `_repr_mimebundle_`) as a new output with a display id, or into
-    `handle`'s output; returns the handle. The bundle is published raw: IPython's formatters (a few
-    hundred microseconds a call) have nothing to find that the bundle does not already say."""
-    bundle = obj._repr_mimebundle_()
+    """Display `obj` (anything with `_repr_mimebundle_`, which may return `(data, metadata)`) as a new
+    output with a display id, or into `handle`'s output; returns the handle. The bundle is published raw:
+    IPython's formatters (a few hundred microseconds a call) have nothing to find that the bundle does not
+    already say."""
+    bundle, metadata = obj._repr_mimebundle_(), None
+    if isinstance(bundle, tuple):
+        bundle, metadata = bundle
     if handle is None:
-        return display(bundle, raw=True, display_id=True)
-    handle.update(bundle, raw=True)
+        return display(bundle, raw=True, metadata=metadata, display_id=True)
+    handle.update(bundle, raw=True, metadata=metadata)
     return handle
 
 
@@ -126,11 +139,20 @@ class ActionButton:
     """A widget button shown in its own output, replaced by HTML saying what it did once it has acted or
     is retired: the saved notebook then holds that HTML, not a widget view.
 
-    `state` is "ready", then "done", "failed" or "retired"; `result` the line the output ends with.
+    While it is ready, its output also carries the static form `saved()` (what it was when the notebook
+    was saved) as `text/html` + `text/plain`, and the output metadata `{"nitro_ipy": {"live": kind}}`:
+    the server extension (`nitro_ipy_server`) then saves that form instead of the widget view, which a
+    reopen on a fresh kernel could not draw. `state` is "ready", then "done", "failed" or "retired";
+    `result` the line the output ends with.
     """
 
-    def __init__(self, description: str, tooltip: str, style: str, icon: str, action):
+    kind = "action"  # the `live` mark of its output
+
+    def __init__(self, description: str, tooltip: str, style: str, icon: str, action, saved: str = "",
+                 kind: str | None = None):
         self.action = action
+        self.kind = kind or self.kind
+        self.saved_line = saved or f"{description}: not clicked when the notebook was saved"
         self.state, self.result = "ready", ""
         self.widget = widgets.Button(description=description, button_style=style, icon=icon, tooltip=tooltip)
         self.widget.on_click(self.click)
@@ -145,8 +167,13 @@ class ActionButton:
         if self.state != "ready":
             return self.final()._repr_mimebundle_()
         bundle = dict(self.widget._repr_mimebundle_(include=include, exclude=exclude) or {})
-        bundle["text/plain"] = f"[{self.widget.description}]"
-        return bundle
+        bundle.update(self.saved()._repr_mimebundle_())  # under the widget view: what the file keeps
+        return bundle, {MARK: {"live": self.kind}}
+
+    def saved(self) -> Rich:
+        """The static form of the button still waiting for its click: what a notebook saved now keeps."""
+        line = self.saved_line
+        return Rich(_html.box(_html.code_html(line), "plain", "nitro-action nitro-saved-live"), line)
 
     def final(self) -> Rich:
         tone = {"done": "success", "failed": "error"}.get(self.state, "plain")
@@ -177,13 +204,16 @@ class RebuildButton(ActionButton):
     """**Rebuild handle** under a stale-handle message: rebuilds the handle and points every name in the
     user namespace that held it at the new one."""
 
+    kind = "rebuild"
+
     def __init__(self, handle, user_ns: dict):
         # Weak: the notebook may show the button long after; the stale handle's device memory must not
         # live that long.
         self._handle = weakref.ref(handle)
         self.user_ns = user_ns
+        names = rebind_names(user_ns, handle)
         super().__init__(REBUILD, "n.rebuild(), then point every name that held this handle at the new one",
-                         "warning", "refresh", self.rebuild)
+                         "warning", "refresh", self.rebuild, SAVED_REBUILD.format(name=names[0] if names else "n"))
 
     def names(self) -> list[str]:
         old = self._handle()
@@ -358,6 +388,14 @@ def _run_over(run) -> bool:
     return bool(done)
 
 
+def _run_what(run) -> str:
+    """A background run in a few words, for its Stop button's saved form: `` of `Regressor` (3 epochs)``."""
+    experiment = getattr(getattr(run, "handle", None), "experiment", None)
+    epochs = getattr(run, "epochs", None)
+    what = f" of `{type(experiment).__qualname__}`" if experiment is not None else ""
+    return what + (f" ({epochs} epoch{'s' if epochs != 1 else ''})" if isinstance(epochs, int) else "")
+
+
 class Panel:
     """The live panel: hits, misses, entries and poisoned as chips that wrap, a warning chip when
     something is stale, the loss chart, the latest compile with its reason in a `<details>`, and a
@@ -449,7 +487,8 @@ class Panel:
                 self.stop_button.retire("replaced by a newer run")
             self.run = run
             self.stop_button = ActionButton(STOP, "stop the background run at the next step boundary",
-                                            "danger", "stop", self._stop)
+                                            "danger", "stop", self._stop, SAVED_STOP.format(what=_run_what(run)),
+                                            kind="stop")
             for handles in self._displays:
                 self.stop_button.show(handles[2])
         self.refresh(force=True)

@@ -303,6 +303,7 @@ def test_stale_messages_are_html_boxes_with_one_button(trained, monkeypatch):
     _run(trained, EDIT)
     outputs = _captured(_run, trained, "records = n.train()")
     cache_out, handle_out, button_out = [o.data for o in outputs]
+    assert [o.metadata for o in outputs] == [{}, {}, {"nitro_ipy": {"live": "rebuild"}}]
     assert set(cache_out) == set(handle_out) == {"text/plain", "text/html"}
     # text/plain is the line a terminal prints; the HTML has a title line and the details.
     assert cache_out["text/plain"].startswith("nitro_ipy: 2 cached programs (eval, grad) poisoned; redefined: __main__.helper.")
@@ -313,7 +314,8 @@ def test_stale_messages_are_html_boxes_with_one_button(trained, monkeypatch):
     assert "line-height: 1.4" in handle_out["text/html"] and "color: var(--jp-content-font-color1, inherit)" in handle_out["text/html"]
     assert ">This handle runs code compiled before your edit</div><div style='margin-top: 2px'>This handle&#x27;s" in handle_out["text/html"]
     assert handle_out["text/html"].endswith("rebuild it: <code style='" + nitro_ipy._html._MONO + "'>n = n.rebuild()</code></div></div>")
-    assert set(button_out) == {"application/vnd.jupyter.widget-view+json", "text/plain"}
+    assert set(button_out) == {"application/vnd.jupyter.widget-view+json", "text/plain", "text/html"}
+    assert button_out["text/plain"] == "not clicked when the notebook was saved; to use the current code: `n = n.rebuild()`"
     (button,) = sink.buttons
     assert button_out["application/vnd.jupyter.widget-view+json"]["model_id"] == button.widget.model_id
     assert (button.widget.description, button.widget.button_style, button.state) == ("Rebuild handle", "warning", "ready")
@@ -663,6 +665,10 @@ def test_panel_stop_button_stops_a_background_run_and_ends_as_html():
         assert "background run active" in panel.outputs()[0].html
         assert panel.stop_button.widget.description == "Stop"
         assert "application/vnd.jupyter.widget-view+json" in shown.data
+        assert shown.metadata == {"nitro_ipy": {"live": "stop"}}
+        assert shown.data["text/plain"] == (
+            "live when the notebook was saved: a background run was training; the panel above shows how far "
+            "it had got, its Stop button stops it only in the kernel that ran it")
         outputs = [o for o in _captured(panel.stop_button.widget.click) if o.transient["display_id"] == stop_id]
         assert run.stopped == 1
         assert outputs[0].data["text/plain"] == "stop asked: the run ends at the next step boundary, nothing lost"
