@@ -52,14 +52,86 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class Lab:
-    """A JupyterLab server over a temporary directory holding a copy of the quickstart notebook."""
+# The server extension's config as the package ships it (installed into `sys.prefix/etc/jupyter/...`).
+SERVER_CONFIG = ROOT / "jupyter-config" / "jupyter_server_config.d" / "nitro_ipy.json"
 
-    def __init__(self):
+
+class Server:
+    """A Jupyter server (`python -m <module>`) on a loopback port with a token, over a temporary directory,
+    with its own config, runtime and data directories. The package's server extension config is also in
+    its config directory, so it is on whether or not this checkout is installed (`tests/test_savehook.py`
+    checks the installed one); `installed_config=True` leaves that out: only what is installed counts."""
+
+    module = "jupyter_server"
+    args: tuple = ()
+
+    def __init__(self, installed_config: bool = False):
         self.dir = Path(tempfile.mkdtemp(prefix="nitro-lab-"))
         self.token = os.urandom(16).hex()
         self.port = _free_port()
         self.settings = self.dir / "_settings"
+        self.prepare()
+        if not installed_config:
+            (self.dir / "_config" / "jupyter_server_config.d").mkdir(parents=True)
+            shutil.copy(SERVER_CONFIG, self.dir / "_config" / "jupyter_server_config.d")
+        env = dict(os.environ, JUPYTER_PATH=str(self.dir / "_jupyter"), JUPYTER_CONFIG_DIR=str(self.dir / "_config"),
+                   JUPYTER_RUNTIME_DIR=str(self.dir / "_runtime"), JUPYTERLAB_SETTINGS_DIR=str(self.settings),
+                   JUPYTERLAB_WORKSPACES_DIR=str(self.dir / "_workspaces"), JUPYTER_PLATFORM_DIRS="1")
+        self.log = open(self.dir / "_server.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", self.module, "--no-browser", "--ServerApp.ip=127.0.0.1",
+             f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
+             f"--ServerApp.root_dir={self.dir}", "--ServerApp.disable_check_xsrf=False", "--ServerApp.allow_root=True",
+             *self.args], cwd=self.dir, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self._wait()
+
+    def prepare(self):
+        """Fill the directory before the server starts."""
+
+    def url(self, path: str = "") -> str:
+        return f"http://127.0.0.1:{self.port}/{path}"
+
+    def api(self, path: str, method: str = "GET", body=None):
+        req = urllib.request.Request(self.url(f"api/{path}"), method=method,
+                                     data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Authorization": f"token {self.token}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            body = r.read()
+        return json.loads(body) if body else None
+
+    def server_log(self) -> str:
+        self.log.flush()
+        return (self.dir / "_server.log").read_text()
+
+    def _wait(self, timeout: float = 60):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.module} exited:\n{self.server_log()}")
+            with contextlib.suppress(OSError):
+                self.api("status")
+                return
+            time.sleep(0.3)
+        raise RuntimeError(f"{self.module} did not answer within {timeout} s")
+
+    def close(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Lab(Server):
+    """A JupyterLab server over a temporary directory holding a copy of the quickstart notebook."""
+
+    module = "jupyterlab"
+    args = ("--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            "--LabApp.expose_app_in_browser=True")  # window.jupyterapp: the theme is switched live
+
+    def prepare(self):
         shutil.copy(NOTEBOOK, self.dir / "quickstart.ipynb")
         kernels = self.dir / "_jupyter" / "kernels" / "python3"
         kernels.mkdir(parents=True)
@@ -67,39 +139,6 @@ class Lab:
             "argv": [sys.executable, "-Xfrozen_modules=off", "-m", "ipykernel_launcher", "-f", "{connection_file}"],
             "display_name": "Python 3 (nitro_ipy)", "language": "python"}))
         self.set_theme("light")
-        env = dict(os.environ, JUPYTER_PATH=str(self.dir / "_jupyter"), JUPYTER_CONFIG_DIR=str(self.dir / "_config"),
-                   JUPYTER_RUNTIME_DIR=str(self.dir / "_runtime"), JUPYTERLAB_SETTINGS_DIR=str(self.settings),
-                   JUPYTERLAB_WORKSPACES_DIR=str(self.dir / "_workspaces"), JUPYTER_PLATFORM_DIRS="1")
-        self.log = open(self.dir / "_lab.log", "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
-             f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
-             f"--ServerApp.root_dir={self.dir}", "--LabApp.news_url=", "--ServerApp.disable_check_xsrf=False",
-             "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--ServerApp.allow_root=True",
-             "--LabApp.expose_app_in_browser=True"],  # window.jupyterapp: the theme is switched live
-            cwd=self.dir, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        self._wait()
-
-    def url(self, path: str = "") -> str:
-        return f"http://127.0.0.1:{self.port}/{path}"
-
-    def api(self, path: str, method: str = "GET"):
-        req = urllib.request.Request(self.url(f"api/{path}"), method=method,
-                                     headers={"Authorization": f"token {self.token}"})
-        with urllib.request.urlopen(req, timeout=10) as r:
-            body = r.read()
-        return json.loads(body) if body else None
-
-    def _wait(self, timeout: float = 60):
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"jupyter lab exited:\n{(self.dir / '_lab.log').read_text()}")
-            with contextlib.suppress(OSError):
-                self.api("status")
-                return
-            time.sleep(0.3)
-        raise RuntimeError("jupyter lab did not answer within 60 s")
 
     def set_theme(self, name: str):
         """Write the theme setting (read when the page loads)."""
@@ -117,17 +156,8 @@ class Lab:
         for k in self.api("kernels"):
             self.api(f"kernels/{k['id']}", "DELETE")
 
-    def saved(self) -> dict:
-        return json.loads((self.dir / "quickstart.ipynb").read_text())
-
-    def close(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+    def saved(self, name: str = "quickstart.ipynb") -> dict:
+        return json.loads((self.dir / name).read_text())
 
 
 @contextlib.contextmanager
