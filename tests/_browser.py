@@ -177,8 +177,9 @@ def browser_page(lab: Lab):
             browser.close()
 
 
-def open_notebook(page, lab: Lab, timeout: float = 60_000):
-    page.goto(lab.url(f"lab/tree/quickstart.ipynb?token={lab.token}"))
+def open_notebook(page, lab: Lab, timeout: float = 60_000, name: str = "quickstart.ipynb", reset: bool = False):
+    """Open `name` in the page (`reset`: with a fresh workspace, so it is the one notebook open)."""
+    page.goto(lab.url(f"lab/tree/{name}?{'reset&' if reset else ''}token={lab.token}"))
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=timeout)
     page.wait_for_function(
         "() => { const s = document.querySelector('.jp-Notebook-ExecutionIndicator');"
@@ -296,6 +297,17 @@ def output_of(page, startswith: str):
     raise LookupError(startswith)
 
 
+def save(page):
+    """Save the notebook as a person does (Ctrl+S) and wait until JupyterLab has it saved."""
+    page.keyboard.press("Control+s")
+    page.wait_for_function("() => !document.querySelector('.jp-mod-dirty')", timeout=30_000)
+
+
+def _widget_views(nb: dict) -> int:
+    return sum("application/vnd.jupyter.widget-view+json" in o.get("data", {})
+               for c in nb["cells"] for o in c.get("outputs", ()))
+
+
 def walkthrough(shots: Path) -> dict:
     """Run the quickstart as a person would and report what was seen (`facts`), writing screenshots
     into `shots`: light theme while running, then a save, a page reload (kernel alive), a reopen on a
@@ -354,6 +366,15 @@ def walkthrough(shots: Path) -> dict:
             facts["unclicked_live"] = page.locator("button.jupyter-button", has_text="Rebuild handle").count()
             output_of(page, UNCLICKED_CELL).screenshot(path=str(shots / "unclicked-light.png"))
             facts["errors_live"] = widget_errors(page)
+            # Saved while that button is live (JupyterLab's autosave does the same): the file keeps its
+            # static line instead of the widget view (the server extension), the page keeps the button.
+            save(page)
+            saved = lab.saved()
+            facts["saved_live_views"] = _widget_views(saved)
+            facts["saved_live_line"] = ["".join(o["data"]["text/plain"]) for c in saved["cells"] for o in c.get("outputs", ())
+                                        if o.get("metadata", {}).get("nitro_ipy", {}).get("live")]
+            facts["saved_live_page"] = page.locator("button.jupyter-button", has_text="Rebuild handle").count()
+            shutil.copy(lab.dir / "quickstart.ipynb", lab.dir / "saved-live.ipynb")  # reopened below
             # The same live notebook in the dark theme (the kernel alive, the unclicked button a widget).
             switch_theme(page, "dark")
             facts["live_dark_page"] = computed(page, ".jp-Notebook", ("background-color",))
@@ -370,11 +391,8 @@ def walkthrough(shots: Path) -> dict:
             page.wait_for_selector(".nitro-action.nitro-retired", timeout=30_000)
             facts["unclicked_ended"] = output_of(page, UNCLICKED_CELL).locator(".nitro-action").inner_text()
             facts["unclicked_after"] = page.locator("button.jupyter-button", has_text="Rebuild handle").count()
-            page.keyboard.press("Control+s")
-            page.wait_for_function("() => !document.querySelector('.jp-mod-dirty')", timeout=30_000)
-            facts["saved_widget_views"] = sum(
-                "application/vnd.jupyter.widget-view+json" in o.get("data", {})
-                for c in lab.saved()["cells"] for o in c.get("outputs", ()))
+            save(page)
+            facts["saved_widget_views"] = _widget_views(lab.saved())
             page.reload()
             open_notebook(page, lab)
             facts["errors_reload"] = widget_errors(page)
@@ -394,6 +412,12 @@ def walkthrough(shots: Path) -> dict:
             shoot(page, ".nitro-panel", shots / "panel-dark.png")
             shoot(page, ".nitro-stats-box", shots / "stats-dark.png")
             page.screenshot(path=str(shots / "reopened-dark.png"))
+            # The notebook saved while the Rebuild button was live, reopened on a fresh kernel.
+            open_notebook(page, lab, name="saved-live.ipynb", reset=True)
+            facts["errors_saved_live"] = widget_errors(page)
+            facts["saved_live_reopen"] = output_of(page, UNCLICKED_CELL).locator(".nitro-action").all_inner_texts()
+            facts["saved_live_contrast"] = contrasts(page, ".nitro-saved-live")
+            output_of(page, UNCLICKED_CELL).screenshot(path=str(shots / "saved-live-dark.png"))
             facts["console_errors"] = list(page.errors)
     finally:
         lab.close()

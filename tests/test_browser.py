@@ -3,7 +3,8 @@ messages visibly styled, the panel's figures and chart, the Rebuild click and wh
 run stopped from the panel's Stop button, a second edit whose Rebuild button is left unclicked (a live
 widget until the next cell ends it as its line), the live notebook switched to the dark theme (every nitro
 box's text contrast >= 4.5), then a save, a page reload (kernel alive) and a reopen on a fresh kernel in
-the dark theme with zero widget errors and zero JS console errors. Screenshots go to a temp dir (`tools/screenshots.py` keeps some for the docs).
+the dark theme with zero widget errors and zero JS console errors; and a save while the unclicked button
+was live, reopened on a fresh kernel: the button's static line, no widget error (the server extension). Screenshots go to a temp dir (`tools/screenshots.py` keeps some for the docs).
 
 Costs ~60-90 s (one JupyterLab, one Chromium, the notebook's compiles). Skipped only when Chromium is
 missing outside CI; under `CI=true` it always runs (`.ci/run` installs Chromium).
@@ -77,6 +78,21 @@ def test_an_unclicked_button_ends_as_its_line_and_reopens_as_it(seen):
     assert seen["unclicked_ended"] == seen["reopen_unclicked"] == MOVED_ON.replace("`", "")
 
 
+SAVED_LIVE = "not clicked when the notebook was saved; to use the current code: `n = n.rebuild()`"
+
+
+def test_a_notebook_saved_with_a_live_button_reopens_as_its_line(seen):
+    """Saved while the unclicked Rebuild button was live: the file holds no widget view (the server
+    extension wrote its static form), the live page kept its button, and a reopen on a fresh kernel shows
+    the line, readable in the dark theme, and no widget error."""
+    assert seen["saved_live_views"] == 0
+    assert seen["saved_live_line"] == [SAVED_LIVE]
+    assert seen["saved_live_page"] == 1
+    assert seen["errors_saved_live"] == 0
+    assert seen["saved_live_reopen"] == [SAVED_LIVE.replace("`", "")]
+    assert len(seen["saved_live_contrast"]) == 1 and min(seen["saved_live_contrast"]) >= 4.5
+
+
 def test_every_nitro_box_reads_in_the_live_and_the_reopened_dark_theme(seen):
     assert sum(_rgb(seen["live_dark_page"][0][0])[:3]) < 150  # switched live: the dark theme is on
     for key in ("live_dark_contrast", "reopen_contrast"):
@@ -97,5 +113,6 @@ def test_screenshots_are_written(seen):
     names = sorted(p.name for p in seen["shots"].iterdir())
     assert {"messages-light.png", "messages-dark.png", "panel-light.png", "panel-dark.png",
             "stats-light.png", "reopened-dark.png", "panel-live-dark.png", "stats-live-dark.png",
-            "stale-cell-live-dark.png", "unclicked-live-dark.png", "progress-live-dark.png"} <= set(names)
+            "stale-cell-live-dark.png", "unclicked-live-dark.png", "progress-live-dark.png",
+            "saved-live-dark.png"} <= set(names)
     assert WIDTH == 800

@@ -22,7 +22,7 @@ from _browser import walkthrough  # noqa: E402  (the test's own driver: the docs
 # dark cell (a fresh kernel: what a saved notebook shows).
 KEEP = ("stale-cell-light.png", "stale-cell-live-dark.png", "stale-cell-dark.png", "unclicked-light.png",
         "unclicked-live-dark.png", "panel-light.png", "panel-live-dark.png", "stats-light.png",
-        "stats-live-dark.png", "progress-light.png", "progress-live-dark.png")
+        "stats-live-dark.png", "progress-light.png", "progress-live-dark.png", "saved-live-dark.png")
 
 
 def main() -> int:
@@ -38,7 +38,7 @@ def main() -> int:
         shutil.copy(shots / name, out / name)
         print(f"docs/images/{name}: {(out / name).stat().st_size // 1024} KiB")
     shutil.rmtree(shots, ignore_errors=True)
-    bad = facts["errors_reload"] + facts["errors_reopen"] + len(facts["console_errors"])
+    bad = facts["errors_reload"] + facts["errors_reopen"] + facts["errors_saved_live"] + len(facts["console_errors"])
     return 1 if bad else 0
 
 
