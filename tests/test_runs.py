@@ -471,3 +471,54 @@ def test_ctrl_c_in_an_ipython_shell_prints_one_line(capsys):
         assert ip.user_ns["n"].step == 5
     finally:
         ip.reset(new_session=False)  # the process's one shell: its `n` must not outlive this test
+
+
+# ---------------------------------------------------------------- a terminal's progress
+def _train_in_a_child(stderr_is_a_terminal: bool) -> tuple[list, str]:
+    """Train 2 epochs (progress on) in a child Python whose stderr is a pseudo-terminal or a pipe: its
+    `nitro_ipy:` stdout lines and everything it wrote to stderr."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT / 'tests')!r})
+        from test_runs import DATA, Knob
+        from nitro_ipy import Nitro
+        Nitro(Knob(), data=DATA, batch_size=16, max_epochs=2).train()
+    """)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    if not stderr_is_a_terminal:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+        assert out.returncode == 0, out.stderr
+        return [ln for ln in out.stdout.splitlines() if ln.startswith("nitro_ipy:")], out.stderr
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a new pty is 0 columns wide
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=slave, text=True, env=env)
+    os.close(slave)
+    err = b""
+    while True:  # drain the terminal as the child writes, or a full pty buffer would block it
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the child closed its end
+            break
+        if not chunk:
+            break
+        err += chunk
+    os.close(master)
+    stdout = proc.stdout.read()
+    assert proc.wait(timeout=300) == 0, err.decode(errors="replace")[-4000:]
+    return [ln for ln in stdout.splitlines() if ln.startswith("nitro_ipy:")], err.decode(errors="replace")
+
+
+def test_a_terminal_gets_a_bar_per_epoch_and_a_log_only_the_lines():
+    tty_lines, tty_err = _train_in_a_child(True)
+    log_lines, log_err = _train_in_a_child(False)
+    # The same clean text lines either way: the compiles, then one line per epoch.
+    assert [ln.split()[1] for ln in tty_lines] == [ln.split()[1] for ln in log_lines]
+    assert [ln.split(" | ")[0] for ln in log_lines if " epoch " in ln] == ["nitro_ipy: epoch 1", "nitro_ipy: epoch 2"]
+    # A terminal also sees a tqdm bar while each epoch runs (`leave=False`: it is erased at the epoch's end).
+    assert "epoch 1/2" in tty_err and "epoch 2/2" in tty_err and "/10 [" in tty_err
+    assert "epoch 1/2" not in log_err and "epoch 2/2" not in log_err  # a log file holds no bar
