@@ -272,6 +272,38 @@ def test_bad_input_is_refused_at_setup(tmp_path):
     ]
 
 
+STORE_RUN = """
+import sys
+from nitro_ipy import _store
+nitro_ipy.set_cache_dir(sys.argv[1])
+kw = {"flat": {}, "sharded": {"flat_params": False,
+                              "param_sharding": lambda p, s: P(None, "data") if p == "w1" else None}}[sys.argv[2]]
+n = Nitro(exp.Regression(), data=exp.data(), batch_size=32, max_epochs=2, progress=False, mesh=mesh, **kw)
+out = exp.summary(n, n.train())
+out.update(loaded=_store.loaded_count, stats=list(nitro_ipy.cache_stats()),
+           specs=[str(a.sharding.spec) for a in jax.tree.leaves(n.params)])
+print(json.dumps(out))
+"""
+
+
+def test_the_program_store_keeps_sharded_programs_for_the_next_process(tmp_path):
+    """A process on 4 devices writes its mesh programs to the store; the next one on the same mesh loads
+    all of them (no trace, no XLA), placed as before, and trains to the same numbers."""
+    (tmp_path / "exp.py").write_text(EXPERIMENT)
+    for layout in ("flat", "sharded"):
+        store = tmp_path / f"store-{layout}"
+        store.mkdir(mode=0o700)
+        code = PRELUDE + f"import sys; sys.argv = ['x', {str(store)!r}, {layout!r}]\n" + STORE_RUN
+        first, second = (json_in_child(code, tmp_path, "0", timeout=CHILD_TIMEOUT) for _ in range(2))
+        # grad, opt, eval, the device metric x 2 (ragged valid split), predict: compiled, then all loaded.
+        assert (first["loaded"], second["loaded"]) == (0, 6), layout
+        assert first["stats"][1:] == second["stats"][1:] == [6, 6]
+        assert first["specs"] == second["specs"] == (
+            [str(P()), str(P())] if layout == "flat" else [str(P(None, "data")), str(P())])
+        assert first["rows"] == second["rows"] and first["params"] == second["params"]
+        assert first["predict"] == second["predict"]
+
+
 def test_loops_stay_a_few_steps_ahead_of_a_cpu_mesh(tmp_path):
     """XLA:CPU deadlocks when a few dozen launches of programs with collectives queue on its devices
     (a plain sharded `jax.jit` loop too): on a CPU mesh of several devices the step and evaluation
