@@ -246,12 +246,29 @@ def serialize_compiled(compiled) -> tuple[bytes, object, object]:
     return serialize_executable.serialize(compiled)
 
 
-def deserialize_compiled(payload: bytes, in_tree, out_tree):
-    """The `jax.stages.Compiled` that `serialize_compiled` wrote, loaded on this process's default backend.
-    Runs pickle on `payload`: only for files this user's own store wrote (`_store.py` checks them first)."""
+def compiled_device_ids(compiled) -> list[int] | None:
+    """The ids of the devices `compiled` runs on, in its device assignment's order (what XLA compiled it
+    for: one device for a one-device program, the mesh's devices for a sharded one), or None where this
+    JAX does not say."""
+    devices = getattr(getattr(compiled._executable, "_unloaded_executable", None), "device_list", None)
+    try:
+        return [d.id for d in devices]
+    except TypeError:
+        return None
+
+
+def deserialize_compiled(payload: bytes, in_tree, out_tree, device_ids: list[int] | None = None):
+    """The `jax.stages.Compiled` that `serialize_compiled` wrote, loaded on this process's default backend,
+    on the devices `device_ids` names (`compiled_device_ids`; None: every device of the backend, which
+    is right only for a program that spans them all). Runs pickle on `payload`: only for files this
+    user's own store wrote (`_store.py` checks them first)."""
     from jax.experimental import serialize_executable
 
-    return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+    devices = None
+    if device_ids is not None:
+        by_id = {d.id: d for d in jax.devices()}
+        devices = [by_id[i] for i in device_ids]  # a KeyError: the caller refuses the file
+    return serialize_executable.deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
 
 
 def enable_jax_compilation_cache(path: str, max_bytes: int = -1) -> bool:

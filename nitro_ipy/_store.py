@@ -1,9 +1,10 @@
 """The program store: compiled programs on disk, loaded by a later process without tracing.
 
-Every program the cache compiles is written to `<cache dir>/programs/<key digest>.nxp`: its serialized
-executable (`jax.experimental.serialize_executable`), its `Key`, its dependency closure as plain records,
-and what makes it valid here (`validity()`: versions, backend, devices, CPU features, XLA flags, the
-fingerprint of nitro_ipy's own program builders). On an in-memory miss, `load(key, info)` returns a
+Every program the cache compiles is written to `<cache dir>/programs/<digest>.nxp` (`key_digest`: the
+key and this process's validity): its serialized executable (`jax.experimental.serialize_executable`) and
+the devices it runs on, its `Key`, its dependency closure as plain records, and what makes it valid here
+(`validity()`: versions, backend, devices, CPU features, XLA flags, the fingerprint of nitro_ipy's own
+program builders). On an in-memory miss, `load(key, info)` returns a
 stored program with an equal key, valid here, whose recorded closure re-resolves clean against the live
 code (`drift({}) == []`); anything else (stale, foreign, truncated, corrupt) is never loaded, and a bad
 file is deleted and reported once.
@@ -34,6 +35,7 @@ import jax
 from . import _cache, _closure, _report
 from ._compat import (
     HOST_CALLBACK_PRIMITIVES,
+    compiled_device_ids,
     deserialize_compiled,
     enable_jax_compilation_cache,
     jaxpr_eqns,
@@ -213,8 +215,13 @@ def _mismatch(recorded: dict) -> str | None:
 
 # ---------------------------------------------------------------- files
 def key_digest(key) -> str:
-    """The file name of `key`'s program: a digest of the key's repr (tuples of strings: stable)."""
-    return hashlib.sha256(repr(key).encode()).hexdigest()[:32]
+    """The file name of `key`'s program here: a digest of the key's repr (tuples of strings: stable) and
+    of `validity()`. Processes that differ in what validity records (device count, Python, versions,
+    XLA flags) compile the same key to programs that are not interchangeable; each gets a file of its
+    own, so two of them sharing a store never refuse and delete each other's programs. A file left by an
+    environment that is gone goes with the least recently used (`evict`)."""
+    here = json.dumps(validity(), sort_keys=True)
+    return hashlib.sha256(f"{key!r}\n{here}".encode()).hexdigest()[:32]
 
 
 class _TreeUnpickler(pickle.Unpickler):
@@ -295,6 +302,7 @@ def save(entry) -> bool:
             "operations": entry.operations,
             "constants": [list(c) for c in entry.constants],
             "compiler_options": entry.compiler_options,
+            "devices": compiled_device_ids(entry.call),  # loaded onto these, not every device there is
         },
         "payload": {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()},
         "written": time.time(),
@@ -408,7 +416,7 @@ def load(key, info: dict | None = None, why: str | None = None):
         return None  # stale: compiled against code that is not the live code
     try:
         exe, in_tree, out_tree = _TreeUnpickler(io.BytesIO(payload)).load()
-        compiled = deserialize_compiled(exe, in_tree, out_tree)
+        compiled = deserialize_compiled(exe, in_tree, out_tree, meta.get("devices"))
     except Exception as err:
         _refuse(path, f"does not load ({type(err).__name__}: {err})")
         return None

@@ -391,12 +391,13 @@ CHILD = textwrap.dedent('''
 ''')
 
 
-def _child(tmp_path, store, scale):
+def _child(tmp_path, store, scale, devices: int = 1):
     script = tmp_path / f"child_{scale}.py"
     script.write_text(CHILD.format(scale=scale))
-    env = {**os.environ, "NITRO_IPY_CACHE_DIR": str(store)}
+    env = {**os.environ, "NITRO_IPY_CACHE_DIR": str(store), "JAX_NUM_CPU_DEVICES": str(devices)}
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+    assert "refused" not in out.stdout, out.stdout
     lines = out.stdout.splitlines()
     compiles = [(l.split()[2], "from disk" in l) for l in lines if l.startswith("nitro_ipy: compiled ")]
     result = json.loads(next(l for l in lines if l.startswith("RESULT "))[7:])
@@ -415,3 +416,18 @@ def test_restart_loads_every_program_and_an_edit_recompiles_exactly_the_drifted(
     edited, third = _child(tmp_path, store, 3.0)  # the helper's global changed between the processes
     assert edited == [("grad", False), ("opt", True), ("eval", False)]
     assert third["stats"][1:] == [3, 3]
+
+
+def test_processes_of_other_device_counts_share_one_store_without_deleting_each_others_programs(tmp_path):
+    """A one-device handle compiles the same key in a process of 1 CPU device and in one of 4 (a notebook
+    before and after `jax_num_cpu_devices`, a 3.11 and a 3.12 kernel): each environment's programs are
+    files of their own, so neither refuses and deletes the other's, and each one's next run loads them."""
+    store = tmp_path / "cache"
+    store.mkdir(mode=0o700)
+    cold = [("grad", False), ("opt", False), ("eval", False)]
+    warm = [("grad", True), ("opt", True), ("eval", True)]
+    assert _child(tmp_path, store, 2.0, devices=1)[0] == cold
+    assert _child(tmp_path, store, 2.0, devices=4)[0] == cold  # other devices: its own compile, its own files
+    assert len(list((store / "programs").glob("*.nxp"))) == 6
+    assert _child(tmp_path, store, 2.0, devices=1)[0] == warm  # `_child` asserts nothing was refused
+    assert _child(tmp_path, store, 2.0, devices=4)[0] == warm
