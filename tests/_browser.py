@@ -278,6 +278,23 @@ def contrasts(page, selector: str) -> list:
     return page.eval_on_selector_all(selector, CONTRAST_JS)
 
 
+# Every element of a nitro_ipy output wider than its box (cut off, ellipsized or scrolled sideways), or
+# reaching past the window's right edge: `class: scroll width > client width` each.
+OVERFLOW_JS = """els => els.flatMap(root => [root, ...root.querySelectorAll('*')]).flatMap(e => {
+  const box = e.getBoundingClientRect();
+  const wide = e.clientWidth > 0 && e.scrollWidth > e.clientWidth + 1;
+  const out = box.width > 0 && box.right > window.innerWidth + 1;
+  return wide || out ? [`${e.tagName.toLowerCase()}.${e.className}: ${e.scrollWidth} > ${e.clientWidth}` +
+                        (out ? ` (right edge ${Math.round(box.right)} > ${window.innerWidth})` : '')] : [];
+})"""
+
+NITRO_OUTPUTS = ".nitro-panel, .nitro-stats-box, .nitro-message, .nitro-progress, .nitro-action"
+
+
+def overflowing(page, selector: str = NITRO_OUTPUTS) -> list:
+    return page.eval_on_selector_all(selector, OVERFLOW_JS)
+
+
 def widget_errors(page) -> int:
     return page.locator(f"text={WIDGET_ERROR}").count()
 
@@ -357,6 +374,7 @@ def walkthrough(shots: Path) -> dict:
             facts["panel_text"] = page.locator(".nitro-panel").inner_text()
             facts["panel_chart"] = page.locator(".nitro-panel svg.nitro-chart").count()
             facts["progress_lines"] = page.locator(".nitro-progress").count()
+            facts["overflow_live"] = overflowing(page)  # an 800 px window: chips wrap, nothing is cut off
             shoot(page, ".nitro-panel", shots / "panel-light.png")
             shoot(page, ".nitro-stats-box", shots / "stats-light.png")
             output_of(page, "nitro_ipy.cache_reset(); n = Nitro(e").screenshot(path=str(shots / "progress-light.png"))

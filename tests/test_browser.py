@@ -57,6 +57,12 @@ def test_the_panel_shows_figures_and_the_chart(seen):
     assert seen["progress_lines"] == 4  # one progress display per train() call
 
 
+def test_every_nitro_output_fits_an_800_px_window(seen):
+    """The panel's chips wrap, its latest compile is not clipped, `%nitro_stats` and the messages stay
+    inside the window: no element is wider than its box or reaches past the right edge."""
+    assert seen["overflow_live"] == []
+
+
 def test_a_background_run_is_stopped_from_the_panel(seen):
     assert seen["stop_button"] == 1
     assert seen["stop_result"] == "stop asked: the run ends at the next step boundary, nothing lost"
