@@ -112,3 +112,50 @@ def test_skipped_block_does_not_run(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("```python\n# doctest: skip\nraise RuntimeError\n```\n```python\nz = 3\n```\n")
     assert run_page(page) == 1
+
+
+# ---------------------------------------------------------------- docs/jupyter.md quotes the real messages
+def _text_blocks(text: str) -> list[str]:
+    return [m.group(1) for m in re.finditer(r"^```text\n(.*?)^```$", text, re.M | re.S)]
+
+
+def _flat(text: str) -> str:
+    """`text` with its line wrapping and Markdown code ticks of either width undone."""
+    return " ".join(text.replace("``", "").split())
+
+
+def test_the_jupyter_page_quotes_the_messages_as_the_code_writes_them():
+    """docs/jupyter.md has no ```python block for `test_page_code_blocks_run`: what it quotes (the lines a
+    user reads, inline and in ```text blocks) is checked here against the strings nitro_ipy writes."""
+    from IPython.core.error import UsageError
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from nitro_ipy import _magics, _widgets
+    from nitro_ipy._html import summarise_why
+
+    page = (ROOT / "docs" / "jupyter.md").read_text()
+    flat, blocks = _flat(page), _text_blocks(page)
+    n = "n"
+    quoted = [
+        _widgets.RETIRED_NO_NAME,
+        _widgets.RETIRED_MOVED_ON.format(name=n),
+        _widgets.SAVED_REBUILD.format(name=n),
+        _widgets.SAVED_STOP.format(what=" of `Regressor` (3 epochs)"),
+        "stop asked: the run ends at the next step boundary, nothing lost",
+        "nothing rebuilt: no name in the namespace holds this handle any more;",
+        summarise_why("GraphConst `hidden`: 16 -> 8; " + "; ".join(f"argument `a{i}` shape" for i in range(4))),
+        "nitro_ipy: compile cache emptied; counters zeroed.",
+        "nitro_ipy: the post-cell hook failed (",
+        "); your cell ran normally.",
+    ]
+    for line in quoted:
+        assert _flat(line) in flat, line
+    assert _magics.NO_WIDGETS + "\n" in blocks
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "nitro_ipy")
+    try:
+        with pytest.raises(UsageError) as err:
+            shell.run_line_magic("nitro_stats", "--bogus")
+    finally:
+        shell.run_line_magic("unload_ext", "nitro_ipy")
+    assert f"UsageError: {err.value}\n" in blocks
