@@ -216,7 +216,10 @@ class Nitro:
 
         The state is copied off the device before this returns; the file is written and fsync'ed in the
         background (`wait=True`: before this returns). nitro_ipy waits for it before the next save,
-        before reading a checkpoint and at exit (a kernel restart included)."""
+        before reading a checkpoint and at exit (a kernel restart included). Refused while a background
+        run trains this handle (`HandleBusyError`): its steps donate the arrays a save reads;
+        `checkpoint_every=` saves from the run itself."""
+        _runs.check_idle(self, "save")
         return _checkpoint.save(self, path, wait=wait)
 
     def rebuild(self, e=None) -> "Nitro":

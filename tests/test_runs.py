@@ -120,14 +120,17 @@ def test_stop_at_an_epochs_last_step_lets_that_epoch_count_with_its_validation()
     assert set(rows[-1]) == {"epoch", "loss", "valid_loss"}
 
 
-def test_entry_points_refuse_a_busy_handle_and_set_works_meanwhile():
+def test_entry_points_refuse_a_busy_handle_and_set_works_meanwhile(tmp_path):
     steer = Steer(at=5)
     n = _handle(steer, max_epochs=1)
     run = n.train(background=True)
     assert steer.reached.wait(60)
     for call, what in [(lambda: n.train(), "train"), (lambda: n.validate(), "validate"),
                        (lambda: n.evaluate("valid"), "evaluate"), (lambda: n.predict({"x": DATA["valid"]["x"]}), "predict"),
-                       (lambda: n.rebuild(), "rebuild"), (lambda: n.train(background=True), "train")]:
+                       (lambda: n.rebuild(), "rebuild"), (lambda: n.train(background=True), "train"),
+                       # A save would read parameters the worker's next step donates ("Array has been
+                       # deleted"), or a mix of two steps; `checkpoint_every=` saves from the worker itself.
+                       (lambda: n.save(tmp_path / "busy"), "save")]:
         with pytest.raises(nitro_ipy.HandleBusyError) as err:
             call()
         assert str(err.value) == (
@@ -145,6 +148,17 @@ def test_entry_points_refuse_a_busy_handle_and_set_works_meanwhile():
     assert all(np.array_equal(a, b) for a, b in zip(_leaves(n), _leaves(ref_n)))
     assert n.validate() == ref_n.validate()  # idle again: entry points work
 
+
+
+def test_a_background_run_writes_its_periodic_checkpoints(tmp_path):
+    """`n.save` is refused from other threads while the run trains; the run's own `checkpoint_every=`
+    saves are not: one per epoch, each the state at that epoch's end."""
+    n = _handle(max_epochs=3, checkpoint_dir=tmp_path, checkpoint_every=1)
+    assert n.train(background=True).wait() == n.history
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-{s:08d}.nitro.npz" for s in (10, 20, 30)]
+    resumed = _handle(resume=tmp_path / "step-00000030.nitro.npz")
+    assert (resumed.step, resumed.epoch) == (30, 3)
+    assert all(np.array_equal(a, b) for a, b in zip(_leaves(resumed), _leaves(n)))
 
 def test_a_failing_run_raises_its_error_from_wait():
     @dataclasses.dataclass
