@@ -109,6 +109,18 @@ def test_serialize_compiled_round_trips_an_executable():
     assert loaded({"w": jnp.eye(2) * 3}, jnp.arange(2.0))["y"].tolist() == [0.0, 3.0]
 
 
+def test_compiled_device_ids_names_the_devices_a_program_was_compiled_for():
+    from nitro_ipy._compat import compiled_device_ids, deserialize_compiled, serialize_compiled
+
+    device = jax.devices()[-1]  # on a multi-device process, not the default one
+    x = jax.device_put(jnp.ones(2), device)
+    compiled = jax.jit(lambda x: x * 2).trace(x).lower().compile()
+    assert compiled_device_ids(compiled) == [device.id]
+    payload, in_tree, out_tree = serialize_compiled(compiled)
+    loaded = deserialize_compiled(payload, in_tree, out_tree, [device.id])
+    assert compiled_device_ids(loaded) == [device.id] and loaded(x).tolist() == [2.0, 2.0]
+
+
 def test_enable_jax_compilation_cache_points_jax_at_a_directory_and_leaves_a_users_own(tmp_path):
     from jax._src import compilation_cache
 
