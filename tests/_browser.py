@@ -198,6 +198,21 @@ def _idle(page, timeout: float = 120_000):
         timeout=timeout)
 
 
+def _run_active(page):
+    """Shift+Enter on the active cell, then wait until it shows a new execution count and the kernel is
+    idle: the status indicator alone can still read "idle" for a moment after Shift+Enter on a loaded
+    machine, and the next step would then look too soon."""
+    ran = page.locator(".jp-Notebook .jp-Cell.jp-mod-active").element_handle()
+    prompt = ran.evaluate("c => c.querySelector('.jp-InputPrompt')?.textContent || ''")
+    page.keyboard.press("Shift+Enter")
+    page.wait_for_function(
+        "([c, before]) => { if (!c.classList.contains('jp-CodeCell')) return true;"
+        " const p = c.querySelector('.jp-InputPrompt')?.textContent || '';"
+        " return p !== before && /\\[\\d+\\]/.test(p); }",
+        arg=[ran, prompt], timeout=120_000)
+    _idle(page)
+
+
 def run_cells(page, until: str | None = None):
     """Run cells from the active one down (Shift+Enter, waiting for each), stopping after the code cell
     whose source starts with `until` (or at the end)."""
@@ -208,8 +223,7 @@ def run_cells(page, until: str | None = None):
         source, is_last = active.evaluate(
             "c => [c.classList.contains('jp-CodeCell') ? c.querySelector('.jp-InputArea-editor').textContent : '',"
             " !c.nextElementSibling || !c.nextElementSibling.classList.contains('jp-Cell')]")
-        page.keyboard.press("Shift+Enter")
-        _idle(page)
+        _run_active(page)
         if os.environ.get("NITRO_BROWSER_DEBUG"):
             print("ran:", source[:40].replace("\n", " "), "| last:", is_last, flush=True)
         if (until is not None and source.strip().startswith(until)) or is_last:
@@ -248,8 +262,7 @@ def new_cell(page, code: str):
     page.keyboard.press("b")
     page.keyboard.press("Enter")
     page.keyboard.insert_text(code)
-    page.keyboard.press("Shift+Enter")
-    _idle(page)
+    _run_active(page)
 
 
 def computed(page, selector: str, props: tuple) -> list:
@@ -337,6 +350,7 @@ def walkthrough(shots: Path) -> dict:
             open_notebook(page, lab)
             select_first_cell(page)
             run_cells(page, until="n.train(1);")  # the old handle after the edit: both messages
+            page.wait_for_selector(".nitro-stale-handle", timeout=60_000)
             facts["message_html"] = page.locator(".nitro-message").first.evaluate("e => e.outerHTML")[:600]
             facts["message_styles"] = computed(page, ".nitro-message", ("border-left-color", "background-color", "line-height"))
             facts["message_titles"] = page.locator(".nitro-message > div:first-child").all_inner_texts()
@@ -355,10 +369,9 @@ def walkthrough(shots: Path) -> dict:
             page.keyboard.press("b")  # a new cell below the last
             page.keyboard.press("Enter")
             page.keyboard.type("run = n.train(100000, background=True)")
-            page.keyboard.press("Shift+Enter")
-            _idle(page)
+            _run_active(page)
             stop = page.locator("button.jupyter-button", has_text="Stop")
-            stop.wait_for(timeout=30_000)
+            stop.wait_for(timeout=60_000)
             facts["stop_button"] = stop.count()
             stop.click()
             page.wait_for_selector(".nitro-action:has-text('stop asked')", timeout=30_000)
@@ -367,9 +380,8 @@ def walkthrough(shots: Path) -> dict:
             page.keyboard.press("b")
             page.keyboard.press("Enter")
             page.keyboard.type("print('stopped', run.done, len(run.wait()) < 100000)")
-            page.keyboard.press("Shift+Enter")
-            _idle(page)
-            page.wait_for_selector(".jp-OutputArea-output:has-text('stopped True True')", timeout=30_000)
+            _run_active(page)
+            page.wait_for_selector(".jp-OutputArea-output:has-text('stopped True True')", timeout=60_000)
             facts["stop_result"] = page.locator(".nitro-action:has-text('stop asked')").inner_text()
             facts["panel_text"] = page.locator(".nitro-panel").inner_text()
             facts["panel_chart"] = page.locator(".nitro-panel svg.nitro-chart").count()
