@@ -146,12 +146,10 @@ class ActionButton:
     `result` the line the output ends with.
     """
 
-    kind = "action"  # the `live` mark of its output
-
     def __init__(self, description: str, tooltip: str, style: str, icon: str, action, saved: str = "",
-                 kind: str | None = None):
+                 kind: str = "action"):
         self.action = action
-        self.kind = kind or self.kind
+        self.kind = kind  # the `live` mark of its output
         self.saved_line = saved or f"{description}: not clicked when the notebook was saved"
         self.state, self.result = "ready", ""
         self.widget = widgets.Button(description=description, button_style=style, icon=icon, tooltip=tooltip)
@@ -204,16 +202,15 @@ class RebuildButton(ActionButton):
     """**Rebuild handle** under a stale-handle message: rebuilds the handle and points every name in the
     user namespace that held it at the new one."""
 
-    kind = "rebuild"
-
     def __init__(self, handle, user_ns: dict):
         # Weak: the notebook may show the button long after; the stale handle's device memory must not
         # live that long.
         self._handle = weakref.ref(handle)
         self.user_ns = user_ns
-        names = rebind_names(user_ns, handle)
+        names = self.names()
         super().__init__(REBUILD, "n.rebuild(), then point every name that held this handle at the new one",
-                         "warning", "refresh", self.rebuild, SAVED_REBUILD.format(name=names[0] if names else "n"))
+                         "warning", "refresh", self.rebuild, SAVED_REBUILD.format(name=names[0] if names else "n"),
+                         kind="rebuild")
 
     def names(self) -> list[str]:
         old = self._handle()
