@@ -133,7 +133,7 @@ class Run:
         self._released = threading.Event()  # set once its worker holds it no more (just after `_done`)
         self.started = time.time()
         self.ended: float | None = None
-        self._thread: threading.Thread | None = None  # the worker it runs on, once started
+        self._thread: threading.Thread | None = None  # the worker it runs on, once `_main` starts there
 
     def _name(self) -> str:
         return type(self.handle.experiment).__qualname__
@@ -141,7 +141,7 @@ class Run:
     def _start(self) -> "Run":
         self.handle._run = self
         _live.add(self)
-        self._thread = _workers.submit(f"nitro_ipy run ({self._name()})", self._main, self._released)
+        _workers.submit(f"nitro_ipy run ({self._name()})", self._main, self._released)
         _cache.publish("run", self)
         return self
 
@@ -305,8 +305,8 @@ class _Workers:
         self._idle: list[tuple[threading.Thread, queue.SimpleQueue]] = []
         self._lock = threading.Lock()
 
-    def submit(self, name: str, fn, released: threading.Event) -> threading.Thread:
-        """Run `fn()` on an idle worker (named `name` meanwhile), or on a new one; returns the thread.
+    def submit(self, name: str, fn, released: threading.Event) -> None:
+        """Run `fn()` on an idle worker (named `name` meanwhile), or on a new one.
         `released` is set once the worker has let go of `fn` (and so of what it is bound to)."""
         with self._lock:
             while self._idle:
@@ -320,7 +320,6 @@ class _Workers:
             thread.start()
         thread.name = name
         jobs.put((fn, released))
-        return thread
 
     def _serve(self, jobs: queue.SimpleQueue):
         me = threading.current_thread()
