@@ -7,15 +7,17 @@ class), their replacements compile in the background, under the keys a rebuilt h
   needs: `after_edit` (the extension's post-cell hook, or `bump_world(ahead=True)` in a script) scans,
   rebinds each stale handle's experiment through its live class exactly as `rebuild()` would, keys each
   poisoned program's replacement with `program_key`, and queues the ones no one compiled yet.
-- One worker thread compiles them, one at a time, at a lower CPU priority, through `_compile.compile_ahead`
-  (the cache's single-flight claim: a rebuild that needs a program in flight waits for it, never a
-  second copy). A program whose code drifted while it compiled is dropped, not served; a new edit
+- Two worker threads compile them, in order, through `_compile.compile_ahead` (the cache's single-flight
+  claim: a rebuild that needs a program in flight waits for it, never a second copy). One traces at a
+  time; the next job starts as soon as the one before reaches XLA (`WORKERS`), so the evaluation
+  program compiles beside the gradient program. A program whose code drifted while it compiled is dropped, not served; a new edit
   replaces the queue, so what it made stale is never started.
-- The worker says nothing: its compile lines are held and said by the handle that resolves the program
+- The workers say nothing: their compile lines are held and said by the handle that resolves the program
   (where its compile line would have been), in that handle's thread. A compile that raised leaves the key
   unclaimed, so the rebuild compiles it in the foreground and raises there, with the user's traceback.
-- `prefetch_eval`: a training handle's evaluation forward compiles while its first epoch runs (from its
-  first step on, which `_pipeline` reports through `stepping`).
+- `prefetch_eval`: a training handle's evaluation forward compiles while its first epoch runs: from the
+  moment its first step's XLA compile starts (`_compile.XLA_STARTS`), or from its first step on when
+  nothing compiles (`_pipeline` reports it through `stepping`).
 
 Off with `set_compile_ahead(False)`, `%nitro_ahead off`, or `NITRO_IPY_AHEAD=0` in the environment.
 """
@@ -35,8 +37,9 @@ from ._hooks import live_class
 from ._programs import EVAL, SPECS, program_key
 
 ENV = "NITRO_IPY_AHEAD"
-# The worker's niceness (Linux sets it per thread): the foreground (the user's next cell, a training
-# loop) keeps the CPU it needs; a compile ahead uses what is left.
+# The workers' niceness (Linux sets it per thread). It covers the trace and lowering, which run in the
+# worker; XLA compiles on its own threads, made at the process's first compile at normal priority, so
+# the XLA part of a compile ahead competes with the foreground as any compile does (docs/recompilation.md).
 NICE = 10
 _OFF = ("0", "off", "false", "no")
 _enabled = os.environ.get(ENV, "1").strip().lower() not in _OFF
@@ -91,22 +94,52 @@ _recipes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # handle ->
 _cv = threading.Condition()
 _queue: collections.deque = collections.deque()
 _round = 0
-_busy: Job | None = None
-_worker: threading.Thread | None = None
+# Two workers, so independent programs compile at once: XLA's compile releases the GIL, and a second
+# program's trace runs while the first one is in XLA. Only one worker traces at a time (`_tracing`): two
+# traces would only share the GIL, and the first program (what the rebuilt handle's first step needs)
+# would be ready later.
+WORKERS = 2
+_busy: dict = {}  # worker thread -> the Job it runs
+_tracing: set = set()  # workers whose job has not reached its XLA compile yet
+_workers: list = []
 # key -> messages the worker composed, said by the handle that resolves the key (`cache_reset` clears both)
 _held = _memo.Memo("ahead.held", 256)
 _failed = _memo.Memo("ahead.failed", 256)  # keys whose compile raised: the rebuild compiles (and raises) them
-_history: collections.deque = collections.deque(maxlen=64)
-_loops = 0  # step loops started (`stepping`): a prefetch waits for its handle's first step
+_history: collections.deque = collections.deque(maxlen=64)  # (order taken, Outcome)
+_taken = 0  # jobs taken off the queue so far: `history()` lists outcomes in the order jobs started
+_loops = 0  # step loops started (`stepping`) and foreground XLA compiles: a prefetch waits for one
 
 
 def stepping(running: bool) -> None:
     """`_pipeline`: a step loop passed its first step (True), or ended (False)."""
-    global _loops
     if running:
+        _release()
+
+
+def _xla_started() -> None:
+    """`_compile`: a build reached its XLA compile; its trace is done, and XLA holds no GIL.
+    - In a worker: the other worker may start the next job (its trace runs beside this XLA compile).
+    - In any other thread (a handle's first step): a waiting prefetch starts now rather than after
+      that step. XLA keeps about 1.7 of these 2 cores busy, so the evaluation program traces and
+      compiles beside the gradient program's XLA; for a CNN's rebuilt handle that takes most of its
+      compile off the live-edit cycle (benchmarks/bench_models.py)."""
+    me = threading.current_thread()
+    if me in _busy:
         with _cv:
-            _loops += 1
+            _tracing.discard(me)
             _cv.notify_all()
+    else:
+        _release()
+
+
+def _release() -> None:
+    global _loops
+    with _cv:
+        _loops += 1
+        _cv.notify_all()
+
+
+_compile.XLA_STARTS.append(_xla_started)
 
 
 def _abstract(x):
@@ -138,7 +171,7 @@ def resolved(handle, spec, key, args: tuple, hook: str | None, fields: dict) -> 
 def say(key=None) -> None:
     """Say the held compile lines of `key` (every key: None) in the calling thread: the cell's, or a
     background run's, whose own sink keeps them (`_report`). Never from the worker."""
-    if threading.current_thread() is _worker:
+    if threading.current_thread() in _workers:
         return
     with _cv:
         keys = list(_held) if key is None else [key] if key in _held else []
@@ -232,7 +265,7 @@ def _submit(jobs: list[Job]) -> int:
     with _cv:
         _round += 1  # a new edit: whatever was queued for the previous one is dropped
         for job in _queue:
-            _history.append(Outcome(job.key.kind, "cancelled", None))
+            _note(job, "cancelled")
         _queue.clear()
         _queue.extend(j._replace(round=_round) for j in jobs)
         if jobs:
@@ -249,12 +282,13 @@ def cancel() -> None:
 def wait(timeout: float | None = None) -> bool:
     """Block until the worker is idle (tests, benchmarks); True unless `timeout` ran out first."""
     with _cv:
-        return _cv.wait_for(lambda: not _queue and _busy is None, timeout)
+        return _cv.wait_for(lambda: not _queue and not _busy, timeout)
 
 
 def history() -> list[Outcome]:
-    """What the worker did, oldest first (bounded)."""
-    return list(_history)
+    """What the workers did, in the order the jobs started (bounded)."""
+    with _cv:
+        return [outcome for _, outcome in sorted(_history, key=lambda h: h[0])]
 
 
 def reset() -> None:
@@ -271,26 +305,45 @@ _memo.register(cancel)  # `cache_reset()` drops the queued jobs (they hold the u
 
 
 # ---------------------------------------------------------------- the worker
+def _note(job: Job, status: str, detail=None, order: int | None = None) -> None:
+    global _taken
+    if order is None:
+        _taken += 1
+        order = _taken
+    _history.append((order, Outcome(job.key.kind, status, detail)))
+
+
 def _start() -> None:
-    global _worker
-    if _worker is None or not _worker.is_alive():
-        _worker = threading.Thread(target=_work, name="nitro_ipy-ahead", daemon=True)
-        _worker.start()
+    """Start the workers not running yet (under `_cv`); idle ones wait on it and cost nothing."""
+    _workers[:] = [w for w in _workers if w.is_alive()]
+    while len(_workers) < WORKERS:
+        worker = threading.Thread(target=_work, name=f"nitro_ipy-ahead-{len(_workers) + 1}", daemon=True)
+        _workers.append(worker)
+        worker.start()
+
+
+def _ready() -> bool:
+    return bool(_queue) and _loops > _queue[0].after and not _tracing
 
 
 def _work() -> None:
-    global _busy
+    global _taken
+    me = threading.current_thread()
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
-    except (AttributeError, OSError):  # not Linux: the compile runs at the process's priority
+    except (AttributeError, OSError):  # not Linux: the trace runs at the process's priority
         pass
     while True:
         with _cv:
-            _cv.wait_for(lambda: _queue and _loops > _queue[0].after)
-            job = _busy = _queue.popleft()
+            _cv.wait_for(_ready)
+            job = _busy[me] = _queue.popleft()
+            _tracing.add(me)
+            _taken += 1
+            order = _taken
         try:
             if job.round != _round:
-                _history.append(Outcome(job.key.kind, "cancelled", None))
+                with _cv:
+                    _note(job, "cancelled", order=order)
                 continue
             b = job.binding
             status, entry, detail = _compile.compile_ahead(
@@ -302,10 +355,12 @@ def _work() -> None:
                     _held[job.key] = detail
                 elif status == "failed":
                     _failed[job.key] = True
-                _history.append(Outcome(job.key.kind, status, detail if status != "compiled" else None))
+                _note(job, status, detail if status != "compiled" else None, order=order)
         except BaseException as err:  # noqa: BLE001 - the worker outlives anything one job does
-            _history.append(Outcome(job.key.kind, "failed", err))
+            with _cv:
+                _note(job, "failed", err, order=order)
         finally:
             with _cv:
-                _busy = None
+                _busy.pop(me, None)
+                _tracing.discard(me)
                 _cv.notify_all()

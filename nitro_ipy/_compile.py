@@ -54,6 +54,11 @@ OPTIMIZER_OPTIONS = {FUSION_EMITTERS_OPTION: False, OPTIMIZATION_LEVEL_OPTION: 1
 CONVOLUTION_OPTIONS = {FUSION_EMITTERS_OPTION: False}
 
 
+# Called (no arguments) as a build's XLA compile starts, in the building thread: the XLA compile releases
+# the GIL and leaves part of the CPU idle, so `_ahead` starts a waiting prefetch then (see `_ahead.NICE`).
+XLA_STARTS: list = []
+
+
 def compile_program(
     key,
     fn: Callable,
@@ -212,6 +217,8 @@ def _build(key, fn, args, donate_argnums, info, record, compiler_options, source
     if unstorable is not None:
         _store.fallback(key, unstorable)
     t1 = time.perf_counter()
+    for started in XLA_STARTS:  # `_ahead`: a queued prefetch may trace now, while XLA holds no GIL
+        started()
     # A program the store holds stays out of JAX's cache; one JAX's cache serves cannot be stored.
     with own_compile(write_jax_cache=not on or unstorable is not None) as served:
         compiled, used = xla_compile(lowered, program_options(traced.jaxpr, compiler_options))

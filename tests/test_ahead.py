@@ -3,6 +3,7 @@ background after the edit's cell, the rebuilt handle is served them, a second ed
 error surfaces at the rebuild, and `%nitro_ahead off` restores compiling on demand."""
 
 import sys
+import threading
 import types
 
 import numpy as np
@@ -72,6 +73,34 @@ def test_a_fresh_training_run_compiles_each_program_once_with_eval_ahead():
     assert [e.hits for e in nitro_ipy._cache.live_entries() if e.kind == "eval"] == [1 + 1]  # + 2nd train
 
 
+def test_validation_starts_compiling_while_the_gradient_program_is_in_xla():
+    """The evaluation program's prefetch starts as the first step's XLA compile starts (the trace is
+    done, the GIL is free), not after that step: the worker has picked it up while the main thread is
+    still inside the gradient program's XLA compile."""
+    nitro_ipy.cache_reset()
+    _ahead.reset()
+    ns = {}
+    exec(compile(TINY_EXPERIMENT, "<ipython-input-1-xla>", "exec"), ns)
+    n = ns["Nitro"](ns["Tiny"](), data=ns["data"], batch_size=16, progress=False)
+    seen = []
+
+    def grad_in_xla():  # runs after `_ahead`'s own callback, in the building thread
+        with _ahead._cv:
+            if threading.current_thread() is threading.main_thread() and _ahead._queue and not seen:
+                # The worker takes the job off the queue: at once, or never while this thread compiles.
+                seen.append(_ahead._cv.wait_for(lambda: not _ahead._queue, 20))
+
+    _compile.XLA_STARTS.append(grad_in_xla)
+    try:
+        n.train()
+    finally:
+        _compile.XLA_STARTS.remove(grad_in_xla)
+    assert seen == [True]
+    assert _ahead.wait(60)
+    assert _outcomes() == [("eval", "compiled")]  # the worker made it, beside the gradient program's XLA
+    assert _stats() == (3, 3)
+
+
 def test_the_rebuilt_handle_is_served_what_compiled_ahead(ip, capsys):
     _run(ip, EDIT)  # poisons grad and eval (the loss calls `helper`); their replacements start compiling
     assert _ahead.wait(60)
@@ -87,6 +116,32 @@ def test_the_rebuilt_handle_is_served_what_compiled_ahead(ip, capsys):
     assert [line.split()[2] for line in lines] == ["grad", "eval"]
     assert all("compiled ahead after your edit" in line for line in lines)
     assert not any(e.poisoned for e in ip.user_ns["n"]._programs.values())
+
+
+def test_an_edits_programs_compile_side_by_side(ip, capsys):
+    """After an edit, the evaluation program's replacement starts (on the second worker) while the
+    gradient program's is in XLA; one traces at a time, and the rebuilt handle is served both."""
+    seen = []
+
+    def in_xla():  # runs in the building thread, after `_ahead`'s own callback
+        with _ahead._cv:
+            me = threading.current_thread()
+            job = _ahead._busy.get(me)
+            if job is not None and job.key.kind == "grad" and not seen:
+                seen.append(sorted(t.name for t in _ahead._tracing))  # nobody traces: this one is in XLA
+                seen.append(_ahead._cv.wait_for(lambda: any(j.key.kind == "eval" for j in _ahead._busy.values()), 20))
+
+    _compile.XLA_STARTS.append(in_xla)
+    try:
+        _run(ip, EDIT)
+        assert _ahead.wait(60)
+    finally:
+        _compile.XLA_STARTS.remove(in_xla)
+    assert seen == [[], True]
+    assert _outcomes() == [("grad", "compiled"), ("eval", "compiled")]  # in the order they started
+    assert len({t.name for t in _ahead._workers}) == _ahead.WORKERS == 2
+    _run(ip, "n = n.rebuild(); rows = n.train()")
+    assert _stats() == (5, 3)
 
 
 def test_ahead_and_on_demand_train_the_same_numbers(ip, capsys):
