@@ -55,7 +55,7 @@ CONVOLUTION_OPTIONS = {FUSION_EMITTERS_OPTION: False}
 
 
 # Called (no arguments) as a build's XLA compile starts, in the building thread: the XLA compile releases
-# the GIL and leaves part of the CPU idle, so `_ahead` starts a waiting prefetch then (see `_ahead.NICE`).
+# the GIL and leaves part of the CPU idle, so `_ahead` starts its next job then (`_ahead._xla_started`).
 XLA_STARTS: list = []
 
 
