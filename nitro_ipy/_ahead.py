@@ -25,6 +25,7 @@ Off with `set_compile_ahead(False)`, `%nitro_ahead off`, or `NITRO_IPY_AHEAD=0` 
 import collections
 import os
 import threading
+import time
 import weakref
 from typing import NamedTuple
 
@@ -78,7 +79,6 @@ class Job(NamedTuple):
     args: tuple
     spec: object
     binding: object
-    round: int
     after: int = -1  # start once more than this many step loops started (a prefetch: its first step)
 
 
@@ -93,7 +93,7 @@ class Outcome(NamedTuple):
 _recipes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # handle -> {key: Recipe}
 _cv = threading.Condition()
 _queue: collections.deque = collections.deque()
-_round = 0
+_wanted: set = set()  # keys still wanted: a job whose key left it (a newer edit) is dropped, not compiled
 # Two workers, so independent programs compile at once: XLA's compile releases the GIL, and a second
 # program's trace runs while the first one is in XLA. Only one worker traces at a time (`_tracing`): two
 # traces would only share the GIL, and the first program (what the rebuilt handle's first step needs)
@@ -108,12 +108,39 @@ _failed = _memo.Memo("ahead.failed", 256)  # keys whose compile raised: the rebu
 _history: collections.deque = collections.deque(maxlen=64)  # (order taken, Outcome)
 _taken = 0  # jobs taken off the queue so far: `history()` lists outcomes in the order jobs started
 _loops = 0  # step loops started (`stepping`) and foreground XLA compiles: a prefetch waits for one
+# A compile ahead after an edit waits while a step loop runs (foreground or a background run) and for
+# this long after the last one ended: a dispatch-bound loop keeps both of these 2 cores busy, and one
+# thread of compile work beside it slows it 1.8x (a trace also takes the GIL). A rebuild waiting for the
+# program lets it go on at once; a compile already in XLA when a loop starts runs to its end.
+QUIET_S = 0.25
+_running = 0  # step loops past their first step, not ended yet
+_last_loop = 0.0  # `time.monotonic()` when a step loop last started or ended
 
 
-def stepping(running: bool) -> None:
-    """`_pipeline`: a step loop passed its first step (True), or ended (False)."""
-    if running:
-        _release()
+def stepping(running: bool) -> bool:
+    """`_pipeline`: a step loop passed its first step (True), or that loop ended (False). Returns True."""
+    global _running, _last_loop
+    with _cv:
+        _running += 1 if running else -1
+        _last_loop = time.monotonic()
+        if running:
+            _loops_started()
+        _cv.notify_all()
+    return True
+
+
+def _held_back() -> float:
+    """Seconds a compile ahead after an edit still waits for: while a step loop runs and for `QUIET_S`
+    after the last one ended (0: it may go on). Under `_cv`."""
+    if _running > 0:
+        return QUIET_S
+    return max(0.0, _last_loop + QUIET_S - time.monotonic())
+
+
+def _may_go(job: "Job") -> bool:
+    """A prefetch serves the loop that is running; a compile ahead after an edit waits for the step
+    loops, unless a handle already waits for the program it compiles (a rebuild: it goes on at once)."""
+    return job.after >= 0 or _held_back() == 0 or _cache.awaited(job.key)
 
 
 def _xla_started() -> None:
@@ -128,18 +155,37 @@ def _xla_started() -> None:
         with _cv:
             _tracing.discard(me)
             _cv.notify_all()
+            job = _busy[me]
+            _wait_until(lambda: _may_go(job) or job.key not in _wanted)  # a step loop started meanwhile
+            if job.key not in _wanted:  # a newer edit made it stale while it waited: no XLA for it
+                raise Cancelled(job.key.kind)
     else:
         _release()
 
 
+class Cancelled(Exception):
+    """Raised into a held-back build whose edit was superseded while it waited (the worker's own)."""
+
+
 def _release() -> None:
-    global _loops
     with _cv:
-        _loops += 1
+        _loops_started()
+        _cv.notify_all()
+
+
+def _loops_started() -> None:
+    global _loops
+    _loops += 1
+
+
+def _awaiting() -> None:
+    """`_cache`: a thread waits for a key in flight; a held-back compile of it goes on."""
+    with _cv:
         _cv.notify_all()
 
 
 _compile.XLA_STARTS.append(_xla_started)
+_cache.AWAITING.append(_awaiting)
 
 
 def _abstract(x):
@@ -186,10 +232,11 @@ def after_edit() -> int:
     if not _enabled or not any(_recipes.values()):
         return 0
     _cache.ensure_fresh()
-    jobs = plan()
-    if not jobs and not _queue:
+    wanted: set = set()
+    jobs = plan(wanted)
+    if not jobs and not _queue and not _busy:
         return 0
-    return _submit(jobs)
+    return _submit(jobs, wanted)
 
 
 def bump_world(ahead: bool = False) -> int:
@@ -202,9 +249,10 @@ def bump_world(ahead: bool = False) -> int:
     return w
 
 
-def plan() -> list[Job]:
+def plan(wanted: set | None = None) -> list[Job]:
     """The programs a rebuild of each live, stale handle will ask for (the keys of every program it ran,
-    recomposed against the live code) that the cache lacks."""
+    recomposed against the live code) that the cache lacks; `wanted` also gets the keys of those it
+    has or is compiling."""
     jobs, seen = [], set()
     for handle, recipes in list(_recipes.items()):
         if _on_a_mesh(handle):
@@ -220,11 +268,15 @@ def plan() -> list[Job]:
             continue
         for r in list(recipes.values()):
             key = program_key(r.spec, b, r.args, handle._settings, r.hook)
-            if key in seen or key in _failed or _cache.known(key):
+            if key in _failed:
+                continue
+            if wanted is not None:
+                wanted.add(key)  # in flight already counts: a job holding it goes on
+            if key in seen or _cache.known(key):
                 continue
             seen.add(key)
             fn = r.spec.build(b, handle._model, handle.accum, r.hook, **r.fields)
-            jobs.append(Job(key, fn, r.args, r.spec, b, 0))
+            jobs.append(Job(key, fn, r.args, r.spec, b))
     return sorted(jobs, key=lambda j: _ORDER.get(j.spec.kind, len(_ORDER)))
 
 
@@ -254,29 +306,38 @@ def prefetch_eval(handle) -> bool:
     with _cv:
         if any(j.key == key for j in _queue):
             return False
-        _queue.append(Job(key, fn, args, EVAL, b, _round, _loops))
+        _queue.append(Job(key, fn, args, EVAL, b, _loops))
+        _wanted.add(key)
         _start()
         _cv.notify_all()
     return True
 
 
-def _submit(jobs: list[Job]) -> int:
-    global _round
+def _submit(jobs: list[Job], wanted=(), prefetches: bool = True) -> int:
+    """A new scan's plan: what is queued and still wanted stays queued, the rest is dropped (a newer
+    edit made it stale), and `jobs` not queued yet join. A training handle's prefetch stays (an edit
+    does not change what that handle runs), unless `prefetches=False` (`cancel`)."""
+    global _wanted
     with _cv:
-        _round += 1  # a new edit: whatever was queued for the previous one is dropped
+        ongoing = [j for j in [*_queue, *_busy.values()] if j.after >= 0] if prefetches else []
+        _wanted = set(wanted) | {j.key for j in jobs} | {j.key for j in ongoing}
+        kept = [j for j in _queue if j.key in _wanted]
         for job in _queue:
-            _note(job, "cancelled")
+            if job.key not in _wanted:
+                _note(job, "cancelled")
+        queued = {j.key for j in kept}
         _queue.clear()
-        _queue.extend(j._replace(round=_round) for j in jobs)
-        if jobs:
+        _queue.extend(kept + [j for j in jobs if j.key not in queued])
+        if _queue:
             _start()
         _cv.notify_all()
     return len(jobs)
 
 
 def cancel() -> None:
-    """Drop every queued compile (the one in flight finishes; its result is checked for drift)."""
-    _submit([])
+    """Drop every queued compile (the one in flight finishes, unless it waits for a step loop; its
+    result is checked for drift)."""
+    _submit([], prefetches=False)
 
 
 def wait(timeout: float | None = None) -> bool:
@@ -323,7 +384,13 @@ def _start() -> None:
 
 
 def _ready() -> bool:
-    return bool(_queue) and _loops > _queue[0].after and not _tracing
+    return bool(_queue) and _loops > _queue[0].after and not _tracing and _may_go(_queue[0])
+
+
+def _wait_until(ready) -> None:
+    """`_cv.wait_for(ready)`, waking up when the quiet time after a step loop runs out (under `_cv`)."""
+    while not ready():
+        _cv.wait(max(_held_back(), 0.01) if _held_back() else None)
 
 
 def _work() -> None:
@@ -335,13 +402,13 @@ def _work() -> None:
         pass
     while True:
         with _cv:
-            _cv.wait_for(_ready)
+            _wait_until(_ready)
             job = _busy[me] = _queue.popleft()
             _tracing.add(me)
             _taken += 1
             order = _taken
         try:
-            if job.round != _round:
+            if job.key not in _wanted:
                 with _cv:
                     _note(job, "cancelled", order=order)
                 continue
@@ -351,6 +418,8 @@ def _work() -> None:
                 info={"graphconst": b.graphconst.info}, record=_closure.record,
                 compiler_options=job.spec.compiler_options, sources=b.graphconst_sources)
             with _cv:
+                if status == "failed" and isinstance(detail, Cancelled):
+                    status, detail = "cancelled", None
                 if status == "compiled":
                     _held[job.key] = detail
                 elif status == "failed":

@@ -272,12 +272,17 @@ class Claim:
     """The right to compile one key: `claim` hands it to the first thread that needs the key; `store`
     or `release` ends it, and only then do other threads waiting for that key go on."""
 
-    __slots__ = ("key", "state", "done", "entry", "error")
+    __slots__ = ("key", "state", "done", "entry", "error", "awaited")
 
     def __init__(self, key: Key, state):
         self.key, self.state = key, state
         self.done = threading.Event()
         self.entry = self.error = None
+        self.awaited = False  # another thread waits for it (a compile ahead held back then goes on)
+
+
+# Called (no arguments) when a thread starts waiting for a key another thread compiles (`_ahead`).
+AWAITING: list = []
 
 
 def claim(key: Key) -> tuple[Entry | None, Claim | None]:
@@ -294,6 +299,9 @@ def claim(key: Key) -> tuple[Entry | None, Claim | None]:
             if pending is None:
                 pending = _state.compiling[key] = Claim(key, _state)
                 return None, pending
+            pending.awaited = True
+        for waiting in AWAITING:
+            waiting()
         pending.done.wait()
         if pending.error is not None:
             raise pending.error  # the same code failed the same way in the thread that compiled it
@@ -317,6 +325,13 @@ def store(entry: Entry, claimed: Claim | None = None) -> None:
             claimed.entry = entry
             claimed.done.set()
     publish("compile", entry)
+
+
+def awaited(key: Key) -> bool:
+    """True when a thread waits for `key`, which another thread is compiling. Takes no lock (`_ahead`
+    asks under its own, which `cache_reset` takes under this module's): one dict read, one attribute."""
+    pending = _state.compiling.get(key)
+    return pending is not None and pending.awaited
 
 
 def known(key: Key) -> bool:

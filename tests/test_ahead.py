@@ -4,6 +4,7 @@ error surfaces at the rebuild, and `%nitro_ahead off` restores compiling on dema
 
 import sys
 import threading
+import time
 import types
 
 import numpy as np
@@ -142,6 +143,65 @@ def test_an_edits_programs_compile_side_by_side(ip, capsys):
     assert len({t.name for t in _ahead._workers}) == _ahead.WORKERS == 2
     _run(ip, "n = n.rebuild(); rows = n.train()")
     assert _stats() == (5, 3)
+
+
+OTHER = """
+class Other(Tiny):  # another experiment, whose programs the edit of `helper` leaves alone
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+
+m = Nitro(Other(), data=data, batch_size=16, progress=False, max_epochs=10**6)
+m.train(1)
+"""
+
+
+def test_a_compile_ahead_waits_while_a_step_loop_runs(ip, capsys):
+    """An edit's replacements are held back while another handle trains (here, in the background):
+    the loop keeps both cores. They compile once it stops, and the rebuilt handle is served them."""
+    _run(ip, OTHER)
+    assert _ahead.wait(60)
+    _ahead.reset()  # m's own evaluation prefetch is not this test's
+    misses = _stats()[0]
+    _run(ip, "run = m.train(background=True)")  # trains until stopped
+    _run(ip, EDIT)  # n's grad and eval are due ahead, while m's steps run
+    time.sleep(6 * _ahead.QUIET_S)
+    assert ip.user_ns["run"].status == "running"
+    assert _outcomes() == [] and [j.key.kind for j in _ahead._queue] == ["grad", "eval"]
+    _run(ip, "run.stop(); run.wait()")
+    assert _ahead.wait(60)
+    assert _outcomes() == [("grad", "compiled"), ("eval", "compiled")]
+    assert _stats()[0] == misses + 2
+    _run(ip, "n = n.rebuild(); rows = n.train()")
+    assert _stats()[0] == misses + 2  # served what compiled ahead
+
+
+def test_a_rebuild_lets_a_held_back_compile_go_on(ip, capsys):
+    """A step loop that starts while a compile ahead is in flight holds it at its XLA compile; a
+    rebuild that needs that program does not wait for the loop: the compile goes on at once."""
+    held = []
+
+    def loop_starts():  # before `_ahead`'s own callback: a step loop starts as the grad program's XLA would
+        job = _ahead._busy.get(threading.current_thread())
+        if job is not None and job.key.kind == "grad" and not held:
+            held.append(_ahead.stepping(True))  # what `_pipeline` says after a loop's first step
+
+    _compile.XLA_STARTS.insert(0, loop_starts)
+    try:
+        _run(ip, EDIT)
+        for _ in range(200):  # until the worker holds the grad program at its XLA compile
+            if held:
+                break
+            time.sleep(0.05)
+        time.sleep(4 * _ahead.QUIET_S)
+        assert held == [True] and _outcomes() == []  # held: nothing finished
+        _run(ip, "n = n.rebuild(); rows = n.train()")  # waits for the held grad program: it goes on
+    finally:
+        _compile.XLA_STARTS.remove(loop_starts)
+        if held:
+            _ahead.stepping(False)
+    assert _ahead.wait(60)
+    assert _outcomes()[0] == ("grad", "compiled")
+    assert _stats() == (5, 3)  # no second compile of either
 
 
 def test_ahead_and_on_demand_train_the_same_numbers(ip, capsys):
