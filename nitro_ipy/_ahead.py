@@ -346,6 +346,20 @@ def wait(timeout: float | None = None) -> bool:
         return _cv.wait_for(lambda: not _queue and not _busy, timeout)
 
 
+def status() -> str:
+    """One line on the work due, for `%nitro_ahead`: '' when there is none."""
+    with _cv:
+        kinds = [j.key.kind for j in _busy.values()] + [j.key.kind for j in _queue]
+        held = _held_back() > 0 and any(j.after < 0 for j in [*_busy.values(), *_queue])
+    if not kinds:
+        return ""
+    line = f"{len(kinds)} program{'s' if len(kinds) != 1 else ''} due ({', '.join(kinds)})"
+    if held:
+        line += (", held back while a step loop runs: they compile once it ends, or at once for a rebuild"
+                 " that needs them")
+    return line + "."
+
+
 def history() -> list[Outcome]:
     """What the workers did, in the order the jobs started (bounded)."""
     with _cv:

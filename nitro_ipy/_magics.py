@@ -200,7 +200,9 @@ class NitroMagics(Magics):
                                                 valid="on, off"))
         if word:
             _ahead.set_compile_ahead(word == "on")
-        print(f"nitro_ipy: compile ahead is {'on' if _ahead.compile_ahead_enabled() else 'off'}.")
+        due = _ahead.status()
+        print(f"nitro_ipy: compile ahead is {'on' if _ahead.compile_ahead_enabled() else 'off'}."
+              + (f" {due}" if due else ""))
 
     @line_magic
     def nitro_panel(self, line=""):

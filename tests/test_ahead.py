@@ -167,6 +167,11 @@ def test_a_compile_ahead_waits_while_a_step_loop_runs(ip, capsys):
     time.sleep(6 * _ahead.QUIET_S)
     assert ip.user_ns["run"].status == "running"
     assert _outcomes() == [] and [j.key.kind for j in _ahead._queue] == ["grad", "eval"]
+    capsys.readouterr()
+    _run(ip, "%nitro_ahead")
+    assert capsys.readouterr().out == (
+        "nitro_ipy: compile ahead is on. 2 programs due (grad, eval), held back while a step loop runs: "
+        "they compile once it ends, or at once for a rebuild that needs them.\n")
     _run(ip, "run.stop(); run.wait()")
     assert _ahead.wait(60)
     assert _outcomes() == [("grad", "compiled"), ("eval", "compiled")]
