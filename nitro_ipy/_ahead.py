@@ -10,8 +10,10 @@ class), their replacements compile in the background, under the keys a rebuilt h
 - Two worker threads compile them, in order, through `_compile.compile_ahead` (the cache's single-flight
   claim: a rebuild that needs a program in flight waits for it, never a second copy). One traces at a
   time; the next job starts as soon as the one before reaches XLA (`WORKERS`), so the evaluation
-  program compiles beside the gradient program. A program whose code drifted while it compiled is dropped, not served; a new edit
-  replaces the queue, so what it made stale is never started.
+  program compiles beside the gradient program. A program whose code drifted while it compiled is
+  dropped, not served; a new edit drops from the queue what it made stale, so that is never started.
+- A compile ahead after an edit waits while a step loop runs and for `QUIET_S` after (training comes
+  first), unless a rebuild waits for it.
 - The workers say nothing: their compile lines are held and said by the handle that resolves the program
   (where its compile line would have been), in that handle's thread. A compile that raised leaves the key
   unclaimed, so the rebuild compiles it in the foreground and raises there, with the user's traceback.
@@ -117,16 +119,14 @@ _running = 0  # step loops past their first step, not ended yet
 _last_loop = 0.0  # `time.monotonic()` when a step loop last started or ended
 
 
-def stepping(running: bool) -> bool:
-    """`_pipeline`: a step loop passed its first step (True), or that loop ended (False). Returns True."""
-    global _running, _last_loop
+def stepping(running: bool) -> None:
+    """`_pipeline`: a step loop passed its first step (True), or that loop ended (False)."""
+    global _running, _last_loop, _loops
     with _cv:
         _running += 1 if running else -1
         _last_loop = time.monotonic()
-        if running:
-            _loops_started()
+        _loops += running
         _cv.notify_all()
-    return True
 
 
 def _held_back() -> float:
@@ -146,10 +146,12 @@ def _may_go(job: "Job") -> bool:
 def _xla_started() -> None:
     """`_compile`: a build reached its XLA compile; its trace is done, and XLA holds no GIL.
     - In a worker: the other worker may start the next job (its trace runs beside this XLA compile).
+      Its own XLA compile waits here while a step loop runs (`_may_go`), unless a rebuild needs it.
     - In any other thread (a handle's first step): a waiting prefetch starts now rather than after
       that step. XLA keeps about 1.7 of these 2 cores busy, so the evaluation program traces and
       compiles beside the gradient program's XLA; for a CNN's rebuilt handle that takes most of its
       compile off the live-edit cycle (benchmarks/bench_models.py)."""
+    global _loops
     me = threading.current_thread()
     if me in _busy:
         with _cv:
@@ -160,22 +162,13 @@ def _xla_started() -> None:
             if job.key not in _wanted:  # a newer edit made it stale while it waited: no XLA for it
                 raise Cancelled(job.key.kind)
     else:
-        _release()
+        with _cv:
+            _loops += 1
+            _cv.notify_all()
 
 
 class Cancelled(Exception):
     """Raised into a held-back build whose edit was superseded while it waited (the worker's own)."""
-
-
-def _release() -> None:
-    with _cv:
-        _loops_started()
-        _cv.notify_all()
-
-
-def _loops_started() -> None:
-    global _loops
-    _loops += 1
 
 
 def _awaiting() -> None:
@@ -350,7 +343,7 @@ def status() -> str:
     """One line on the work due, for `%nitro_ahead`: '' when there is none."""
     with _cv:
         kinds = [j.key.kind for j in _busy.values()] + [j.key.kind for j in _queue]
-        held = _held_back() > 0 and any(j.after < 0 for j in [*_busy.values(), *_queue])
+        held = any(not _may_go(j) for j in [*_busy.values(), *_queue])
     if not kinds:
         return ""
     line = f"{len(kinds)} program{'s' if len(kinds) != 1 else ''} due ({', '.join(kinds)})"
@@ -380,12 +373,15 @@ _memo.register(cancel)  # `cache_reset()` drops the queued jobs (they hold the u
 
 
 # ---------------------------------------------------------------- the worker
-def _note(job: Job, status: str, detail=None, order: int | None = None) -> None:
+def _next_order() -> int:
+    """The place of a job taken off the queue (under `_cv`), for `history()`."""
     global _taken
-    if order is None:
-        _taken += 1
-        order = _taken
-    _history.append((order, Outcome(job.key.kind, status, detail)))
+    _taken += 1
+    return _taken
+
+
+def _note(job: Job, status: str, detail=None, order: int | None = None) -> None:
+    _history.append((_next_order() if order is None else order, Outcome(job.key.kind, status, detail)))
 
 
 def _start() -> None:
@@ -404,11 +400,11 @@ def _ready() -> bool:
 def _wait_until(ready) -> None:
     """`_cv.wait_for(ready)`, waking up when the quiet time after a step loop runs out (under `_cv`)."""
     while not ready():
-        _cv.wait(max(_held_back(), 0.01) if _held_back() else None)
+        left = _held_back()
+        _cv.wait(max(left, 0.01) if left else None)
 
 
 def _work() -> None:
-    global _taken
     me = threading.current_thread()
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
@@ -419,8 +415,7 @@ def _work() -> None:
             _wait_until(_ready)
             job = _busy[me] = _queue.popleft()
             _tracing.add(me)
-            _taken += 1
-            order = _taken
+            order = _next_order()
         try:
             if job.key not in _wanted:
                 with _cv:

@@ -217,7 +217,7 @@ def _build(key, fn, args, donate_argnums, info, record, compiler_options, source
     if unstorable is not None:
         _store.fallback(key, unstorable)
     t1 = time.perf_counter()
-    for started in XLA_STARTS:  # `_ahead`: a queued prefetch may trace now, while XLA holds no GIL
+    for started in XLA_STARTS:  # `_ahead`: its next job may trace now, while XLA holds no GIL
         started()
     # A program the store holds stays out of JAX's cache; one JAX's cache serves cannot be stored.
     with own_compile(write_jax_cache=not on or unstorable is not None) as served:

@@ -42,7 +42,8 @@ def train_batches(split: dict, fields, batch_size: int, accum: int, epoch_seed, 
         if jax.default_backend() == "cpu":  # numpy views, converted by the program call itself
             for s in range(start, steps):
                 if s == start + 1:
-                    stepping = _ahead.stepping(True)  # the first step (and its compiles) is done
+                    _ahead.stepping(True)  # the first step (and its compiles) is done
+                    stepping = True
                 yield dict(zip(fields, [v[s] for v in views]))
             return
         ahead = jax.device_put(at(start))
@@ -51,7 +52,8 @@ def train_batches(split: dict, fields, batch_size: int, accum: int, epoch_seed, 
             if s + 1 < steps:  # the next batch's transfer starts before this step is dispatched
                 ahead = jax.device_put(at(s + 1))
             if s == start + 1:
-                stepping = _ahead.stepping(True)
+                _ahead.stepping(True)
+                stepping = True
             yield batch
     finally:
         if stepping:

@@ -130,7 +130,8 @@ def test_an_edits_programs_compile_side_by_side(ip, capsys):
             job = _ahead._busy.get(me)
             if job is not None and job.key.kind == "grad" and not seen:
                 seen.append(sorted(t.name for t in _ahead._tracing))  # nobody traces: this one is in XLA
-                seen.append(_ahead._cv.wait_for(lambda: any(j.key.kind == "eval" for j in _ahead._busy.values()), 20))
+                eval_running = lambda: any(j.key.kind == "eval" for j in _ahead._busy.values())  # noqa: E731
+                seen.append(_ahead._cv.wait_for(eval_running, 20))
 
     _compile.XLA_STARTS.append(in_xla)
     try:
@@ -188,7 +189,8 @@ def test_a_rebuild_lets_a_held_back_compile_go_on(ip, capsys):
     def loop_starts():  # before `_ahead`'s own callback: a step loop starts as the grad program's XLA would
         job = _ahead._busy.get(threading.current_thread())
         if job is not None and job.key.kind == "grad" and not held:
-            held.append(_ahead.stepping(True))  # what `_pipeline` says after a loop's first step
+            _ahead.stepping(True)  # what `_pipeline` says after a loop's first step
+            held.append(True)
 
     _compile.XLA_STARTS.insert(0, loop_starts)
     try:
