@@ -11,6 +11,7 @@ is refused before anything is traced, naming its path.
 - `step_key` is the per-step PRNG key rule, the one place it is written.
 """
 
+import collections.abc
 import dataclasses
 import inspect
 
@@ -238,8 +239,14 @@ def check_given(b, rng, params, state):
             continue
         lines = tree_diff(want, got, what)
         if not lines and jax.tree_util.tree_structure(want) != jax.tree_util.tree_structure(got):
-            lines = [f"containers differ: expected {jax.tree_util.tree_structure(want)}, got "
-                     f"{jax.tree_util.tree_structure(got)}"]
+            regrouped = _in_containers_of(want, got)
+            if regrouped is None:
+                lines = [f"containers differ: expected {jax.tree_util.tree_structure(want)}, got "
+                         f"{jax.tree_util.tree_structure(got)}"]
+            elif what == "params":
+                params = regrouped
+            else:
+                state = regrouped
         if lines:
             shown = "\n  ".join(lines[:12]) + ("\n  ..." if len(lines) > 12 else "")
             raise NitroValueError(
@@ -252,6 +259,29 @@ def check_given(b, rng, params, state):
         params = real_params if params is None else params
         state = real_state if state is None else state
     return params, state
+
+
+def _plain(tree):
+    """`tree` with every mapping (a Flax `FrozenDict`, an `nnx.State`) as a plain dict, recursively; the
+    leaves are the same objects."""
+    if isinstance(tree, collections.abc.Mapping):
+        return {k: _plain(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+        return type(tree)(_plain(v) for v in tree)
+    return tree
+
+
+def _in_containers_of(want, got):
+    """`got` rebuilt in `want`'s containers when the two differ only in the kind of mapping that holds
+    the same keys (a checkpoint loaded as a `FrozenDict` for an `init` that returns dicts, or the other
+    way round); None when anything else differs (an Equinox module's static fields, a list for a tuple)."""
+    plain_want, plain_got = _plain(want), _plain(got)
+    if jax.tree_util.tree_structure(plain_want) != jax.tree_util.tree_structure(plain_got):
+        return None
+    order = jax.tree_util.tree_leaves(want)
+    if [id(x) for x in order] != [id(x) for x in jax.tree_util.tree_leaves(plain_want)]:
+        return None  # `want`'s containers order their keys differently from a dict's: no safe regroup
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(want), jax.tree_util.tree_leaves(plain_got))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -495,6 +495,56 @@ def test_given_params_and_state_start_the_run_and_are_checked():
         Nitro(Digits(), data=_flax_data(), progress=False, params=n.params, state={})
 
 
+def test_given_params_in_other_mappings_are_taken_in_init_s_containers():
+    # weights loaded as a Flax FrozenDict (an older checkpoint, `flax.serialization`) for an `init` that
+    # returns dicts, and the state given as an `nnx.State`: the same keys, so they are taken as given
+    from flax.core import freeze
+
+    n = Nitro(Digits(), data=_flax_data(), batch_size=16, progress=False)
+    n.train()
+    frozen = freeze(jax.tree.map(np.asarray, n.params))
+    m = Nitro(Digits(), data=_flax_data(), batch_size=16, progress=False, params=frozen,
+              state=nnx.State(jax.tree.map(np.asarray, n.state)))
+    assert type(m.params) is dict and type(m.params["Dense_0"]) is dict and type(m.state) is dict
+    jax.tree.map(np.testing.assert_array_equal, m.params, n.params)
+    assert m.validate() == n.validate()
+    m.train()
+    assert m.step == 4
+    # a FrozenDict missing a layer is still refused by path
+    short = freeze({k: v for k, v in frozen.items() if k != "Dense_0"})
+    with pytest.raises(NitroValueError, match=r"`params\['Dense_0'\]\['bias'\]` missing"):
+        Nitro(Digits(), data=_flax_data(), progress=False, params=short)
+
+
+class _Tagged(eqx.Module):
+    lin: eqx.nn.Linear
+    tag: str = eqx.field(static=True)
+
+    def __call__(self, x):
+        return jax.vmap(self.lin)(x)[:, 0]
+
+
+@dataclasses.dataclass
+class TaggedExp:
+    def init(self, rng):
+        return _Tagged(eqx.nn.Linear(2, 1, key=rng), "relu")
+
+    def forward(self, params, *, x):
+        return params(x)
+
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+
+
+def test_a_given_module_with_other_static_fields_is_refused():
+    # an Equinox module whose arrays fit but whose static fields differ is another model: not regrouped
+    good = TaggedExp().init(jax.random.PRNGKey(1))
+    with pytest.raises(NitroValueError, match="containers differ"):
+        Nitro(TaggedExp(), data={"train": _reg()}, progress=False, params=_Tagged(good.lin, "tanh"))
+    m = Nitro(TaggedExp(), data={"train": _reg()}, batch_size=64, progress=False, params=good)
+    np.testing.assert_array_equal(m.params.lin.weight, good.lin.weight)
+
+
 def test_a_checkpoint_carries_the_model_state(tmp_path):
     n = Nitro(Digits(), data={"train": _images(32)}, batch_size=16, progress=False)
     n.train()
