@@ -118,8 +118,17 @@ def _leaves(tree) -> dict:
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-            out[jax.tree_util.keystr(path)] = (tuple(leaf.shape), np.dtype(leaf.dtype))
+            out[jax.tree_util.keystr(path)] = (tuple(leaf.shape), _dtype(leaf.dtype))
     return out
+
+
+def _dtype(dtype):
+    """`dtype` as a NumPy dtype, or as it is for JAX's own (a typed PRNG key's `key<fry>`, which an
+    `nnx.Rngs` stream keeps in the model state)."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return dtype
 
 
 def check_fits(cls, init, experiment, seed: int, params, has_state: bool = False, state=None) -> None:

@@ -152,6 +152,14 @@ def _dtype_name(dt) -> str:
     return name
 
 
+def _key_impl(x) -> str | None:
+    """The PRNG implementation's name (`threefry2x32`) of a typed key array, else None."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return None
+    return str(jax.random.key_impl(x))
+
+
 def snapshot(n) -> tuple[dict, bytes]:
     """`(manifest, data)`: handle `n`'s manifest (with the array layout) and every array's bytes, copied
     to the host now. This is the part of a save the training loop waits for: the next step may donate
@@ -176,8 +184,9 @@ def snapshot(n) -> tuple[dict, bytes]:
     for group, (leaves, treedef) in groups:
         entries = []
         for x in leaves:
-            a = np.asarray(x)  # on CPU a view of the device buffer: `join` below is the one copy
-            entries.append([_dtype_name(a.dtype), list(a.shape), offset])
+            impl = _key_impl(x)  # a typed PRNG key (an `nnx.Rngs` stream's) is saved as its key data
+            a = np.asarray(x if impl is None else jax.random.key_data(x))  # on CPU a view of the device
+            entries.append([_dtype_name(a.dtype), list(a.shape), offset, *(() if impl is None else (impl,))])
             chunks.append(a.reshape(-1).view(np.uint8) if a.ndim and a.flags.c_contiguous else a.tobytes())
             offset += a.nbytes
         layout[group] = {"treedef": str(treedef), "leaves": entries}
@@ -329,12 +338,13 @@ def read(path) -> tuple[dict, dict]:
             groups = {}
             for group, lay in info["layout"].items():
                 arrays = []
-                for dtype, shape, offset in lay["leaves"]:
+                for dtype, shape, offset, *key in lay["leaves"]:
                     dt = jax.numpy.dtype(dtype)
                     size = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
                     if offset + size > data.size:
                         raise ValueError("truncated array data")
-                    arrays.append(data[offset : offset + size].view(dt).reshape(tuple(shape)).copy())
+                    a = data[offset : offset + size].view(dt).reshape(tuple(shape)).copy()
+                    arrays.append(jax.random.wrap_key_data(a, impl=key[0]) if key else a)
                 groups[group] = arrays
     except FileNotFoundError:
         raise NitroValueError(f"no checkpoint at `{path}`.") from None

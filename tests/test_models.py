@@ -394,6 +394,42 @@ def test_nnx_graphdef_as_graphconst_trains_batch_stats():
 
 
 @dataclasses.dataclass
+class NNXStreamExp(NNXExp):
+    """Dropout draws from the model's own `nnx.Rngs` stream: its key (a typed `key<fry>` array) and count
+    are model state, not the step's `rng`."""
+
+    def init(self, rng):
+        _, params, state = nnx.split(_NNXNet(4, nnx.Rngs(params=0, dropout=1)), nnx.Param, ...)
+        return params, state
+
+    def forward(self, params, *, x, state, train):
+        model = nnx.merge(self.graphdef, params, state, copy=True)
+        model.train() if train else model.eval()
+        return model(x), nnx.state(model, nnx.Not(nnx.Param))
+
+
+def test_nnx_rngs_stream_in_the_state_rebuilds_saves_and_resumes(tmp_path):
+    graphdef, _, _ = nnx.split(_NNXNet(4, nnx.Rngs(0)), nnx.Param, ...)
+    data = {"train": _reg(), "valid": _reg(20, 1)}
+    nitro_ipy.cache_reset()
+    n = Nitro(NNXStreamExp(graphdef), data=data, batch_size=16, progress=False)
+    assert [str(x.dtype) for x in jax.tree.leaves(n.state) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)] == ["key<fry>"]
+    n.train(2)
+    assert int(n.state["drop"]["rngs"]["count"][...]) == 8  # the stream advanced once per step
+    n = n.rebuild()  # the carried state's typed key fits what `init` builds
+    n.train()
+    path = n.save(tmp_path)
+    m = Nitro(NNXStreamExp(graphdef), data=data, batch_size=16, progress=False, resume=path)
+    np.testing.assert_array_equal(jax.random.key_data(m.state["drop"]["rngs"]["key"][...]),
+                                  jax.random.key_data(n.state["drop"]["rngs"]["key"][...]))
+    assert m.validate() == n.validate()
+    m.train()
+    n.train()
+    jax.tree.map(np.testing.assert_array_equal, m.params, n.params)  # the resumed run drew the same masks
+    assert nitro_ipy.cache_stats().misses == 3
+
+
+@dataclasses.dataclass
 class Decayed:
     def init(self, rng):
         k1, k2 = jax.random.split(rng)
