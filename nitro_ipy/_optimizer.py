@@ -23,6 +23,13 @@ FLAT_PATHS = (
     "so it sees the params tree."
 )
 
+FLAT_SHAPES = (
+    "the optimizer of `{owner}` treats each parameter array by its own shape or norm ({why}: as "
+    "`adafactor`, `lamb`, `lars` or a per-parameter clip do), but `flat_params=True` hands it one flat "
+    "buffer per dtype, where it would compute something else. Pass `Nitro(e, ..., flat_params=False)` so "
+    "it sees the params tree."
+)
+
 DEVICE_IN_CONSTRUCTOR = (
     "the optimizer of `{owner}` passes the Device field {fields} to something that needs a Python number "
     "at construction (an optax schedule constructor such as `warmup_cosine_decay_schedule` compares its "
@@ -59,6 +66,103 @@ def path_cells(tx) -> list[str]:
     walk(tx.init)
     walk(tx.update)
     return found
+
+
+# Primitives that act on each element alone (or pass a value through): an optimizer built of these, full
+# reductions over every parameter at once (a global norm) and scalars means the same on flat buffers.
+_ELEMENTWISE = frozenset("""
+    abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type copy copy_p cos
+    cosh div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow is_finite le lgamma digamma log
+    log1p logistic lt max min mul ne neg nextafter not or pow real reduce_precision rem round rsqrt select_n
+    sign sin sinh sqrt square stop_gradient sub tan tanh xor shift_left shift_right_logical
+    shift_right_arithmetic population_count optimization_barrier
+""".split())
+_FULL_REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
+
+
+def shape_dependence(tx, trainable) -> str | None:
+    """Why `tx` would compute something else on the flat layout than on the params tree, or None.
+
+    `tx.update` is traced (no compile) on the tree of one leaf per distinct shape and dtype (two at
+    least), and the jaxpr is followed from the gradients and params to the updates. It means the same on
+    one flat buffer per dtype when every update element depends on its own gradient and param elements,
+    on reductions over every parameter at once (a global norm), and on nothing else of theirs: an
+    update that reads a reduction over its own array alone (`lamb`'s trust ratio, `adafactor`'s clip),
+    a reduction along some axes (`adafactor`'s factored moments) or a matrix product does not."""
+    leaves = jax.tree_util.tree_leaves(trainable)
+    if not leaves:
+        return None
+    sample, seen = [], set()
+    for leaf in leaves:
+        sig = (tuple(leaf.shape), str(leaf.dtype))
+        if sig not in seen:
+            seen.add(sig)
+            sample.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+    if len(sample) == 1 and len(leaves) > 1:
+        sample.append(sample[0])
+    closed = jax.make_jaxpr(lambda g, p: tx.update(g, tx.init(p), p)[0])(sample, sample)
+    jaxpr = closed.jaxpr
+    k = len(sample)
+    tags = {}  # var -> (leaves it depends on element by element, leaves it depends on through a full reduction)
+    for i, v in enumerate(jaxpr.invars):
+        tags[v] = (frozenset([i % k]), frozenset())
+    try:
+        outs = _follow(jaxpr, [tags.get(v, _NONE) for v in jaxpr.invars])
+    except _ShapeDependent as err:
+        return str(err)
+    everything = frozenset(range(k))
+    for i, (elem, reduced) in enumerate(outs):
+        if elem - {i}:
+            return "an update reads another array's elements"
+        if reduced and reduced != everything:
+            return "an update reads a reduction over its own array"
+    return None
+
+
+_NONE = (frozenset(), frozenset())
+
+
+class _ShapeDependent(Exception):
+    pass
+
+
+def _follow(jaxpr, in_tags: list) -> list:
+    """The tags of `jaxpr`'s outputs given its inputs' (see `shape_dependence`); raises `_ShapeDependent`
+    naming the first primitive that treats a parameter's elements by their place in its array."""
+    tags = dict(zip(jaxpr.invars, in_tags))
+    get = lambda v: tags.get(v, _NONE) if not hasattr(v, "val") else _NONE  # noqa: E731 - a literal is _NONE
+    for eqn in jaxpr.eqns:
+        ins = [get(v) for v in eqn.invars]
+        elem = frozenset().union(*(t[0] for t in ins))
+        reduced = frozenset().union(*(t[1] for t in ins))
+        name = eqn.primitive.name
+        subs = [p for p in eqn.params.values() if hasattr(p, "jaxpr") or hasattr(p, "eqns")]
+        subs += [b for p in eqn.params.values() if isinstance(p, tuple) for b in p if hasattr(b, "jaxpr")]
+        if not elem:
+            out = [(frozenset(), reduced)] * len(eqn.outvars)  # nothing of a parameter's elements: no layout
+        elif name in _ELEMENTWISE or (name in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims")
+                                      and all(getattr(v.aval, "size", 2) == 1 for v in eqn.invars[:1])):
+            out = [(elem, reduced)] * len(eqn.outvars)
+        elif name in _FULL_REDUCTIONS:
+            operand = eqn.invars[0].aval
+            if len(eqn.params.get("axes", ())) != operand.ndim and operand.size != 1:
+                raise _ShapeDependent(f"`{name}` along some axes of a parameter")
+            out = [(frozenset(), elem | reduced)] * len(eqn.outvars)
+        elif subs and name in ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+                               "custom_vjp_call_jaxpr", "remat", "checkpoint", "cond"):
+            out = None
+            for sub in subs:
+                inner = sub.jaxpr if hasattr(sub, "jaxpr") else sub
+                n_in = len(inner.invars)
+                got = _follow(inner, ins[len(ins) - n_in:])
+                out = got if out is None else [(a[0] | b[0], a[1] | b[1]) for a, b in zip(out, got)]
+            if name == "cond":  # the branch taken hangs on the predicate
+                out = [(e, r | ins[0][0] | ins[0][1]) for e, r in out]
+        else:
+            raise _ShapeDependent(f"`{name}` on a parameter")
+        for v, t in zip(eqn.outvars, out):
+            tags[v] = t
+    return [get(v) for v in jaxpr.outvars]
 
 
 def _concretization_errors() -> tuple:
@@ -98,6 +202,9 @@ def init_optimizer(b, layout, trainable, dev: dict):
         cells = path_cells(tx)
         if cells:
             raise NitroValueError(FLAT_PATHS.format(owner=owner, cell=cells[0]))
+        why = shape_dependence(tx, trainable)
+        if why is not None:
+            raise NitroValueError(FLAT_SHAPES.format(owner=owner, why=why))
     if dev:
         errors = _concretization_errors()
         try:

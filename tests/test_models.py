@@ -621,3 +621,70 @@ def test_a_dropped_handle_frees_its_programs_without_a_garbage_collection(make):
         assert (handle() is None, [r() is None for r in entries]) == (True, [True] * len(entries))
     finally:
         gc.enable()
+
+
+# Optimizers that mean the same on one flat buffer per dtype as on the params tree, and ones that do not:
+# the setup check's verdict (`_optimizer.shape_dependence`) against the updates themselves, 3 steps each.
+_SAME_FLAT = {
+    "sgd": lambda: optax.sgd(0.1), "nesterov": lambda: optax.sgd(0.1, momentum=0.9, nesterov=True),
+    "adam": lambda: optax.adam(1e-2), "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "adamax": lambda: optax.adamax(1e-2), "adagrad": lambda: optax.adagrad(1e-2),
+    "rmsprop": lambda: optax.rmsprop(1e-2, centered=True), "adabelief": lambda: optax.adabelief(1e-2),
+    "lion": lambda: optax.lion(1e-2), "yogi": lambda: optax.yogi(1e-2), "radam": lambda: optax.radam(1e-2),
+    "amsgrad": lambda: optax.amsgrad(1e-2),
+    "global clip + adam": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2)),
+    "clip + sgd": lambda: optax.chain(optax.clip(0.1), optax.sgd(1e-2)),
+    "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(1e-2), 3),
+    "MultiSteps": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
+    "schedule": lambda: optax.adam(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)),
+}
+_NOT_SAME_FLAT = {
+    "lamb": lambda: optax.lamb(1e-2), "lars": lambda: optax.lars(1e-2),
+    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=2),
+    "novograd": lambda: optax.novograd(1e-2), "fromage": lambda: optax.fromage(1e-2),
+    "adaptive_grad_clip": lambda: optax.chain(optax.adaptive_grad_clip(0.01), optax.sgd(1e-2)),
+    "trust ratio": lambda: optax.chain(optax.scale_by_adam(), optax.scale_by_trust_ratio(), optax.scale(-1e-2)),
+}
+
+
+def _updates(tx, tree, grads, flat: bool):
+    ravel = lambda t: jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(t)])  # noqa: E731
+    p = ravel(tree) if flat else tree
+    state = tx.init(p)
+    step = jax.jit(lambda g, s: tx.update(g, s, p))
+    for g in grads:
+        u, state = step(ravel(g) if flat else g, state)
+    return np.asarray(u if flat else ravel(u))
+
+
+@pytest.mark.parametrize("name", [*_SAME_FLAT, *_NOT_SAME_FLAT])
+def test_flat_layout_refuses_exactly_the_optimizers_that_would_compute_otherwise(name):
+    from nitro_ipy._optimizer import shape_dependence
+
+    r = np.random.default_rng(0)
+    shapes = [(3, 4), (4,), (4, 4), (5, 1)]
+    tree = {f"p{i}": jnp.asarray(r.normal(size=s).astype(np.float32)) for i, s in enumerate(shapes)}
+    grads = [{k: jnp.asarray(r.normal(size=v.shape).astype(np.float32)) for k, v in tree.items()} for _ in range(3)]
+    tx = {**_SAME_FLAT, **_NOT_SAME_FLAT}[name]()
+    same = np.allclose(_updates(tx, tree, grads, True), _updates(tx, tree, grads, False), rtol=1e-5, atol=1e-7)
+    assert same == (name in _SAME_FLAT)
+    assert (shape_dependence(tx, tree) is None) == same
+
+
+def test_a_shape_dependent_optimizer_is_refused_at_setup_with_the_fix():
+    @dataclasses.dataclass
+    class Lamb(Decayed):
+        def optimizer(self):
+            return optax.lamb(1e-2)
+
+    with pytest.raises(NitroValueError) as info:
+        Nitro(Lamb(), data={"train": _reg()}, progress=False)
+    assert str(info.value) == (
+        "the optimizer of `test_a_shape_dependent_optimizer_is_refused_at_setup_with_the_fix.<locals>.Lamb` "
+        "treats each parameter array by its own shape or norm (an update reads a reduction over its own array: "
+        "as `adafactor`, `lamb`, `lars` or a per-parameter clip do), but `flat_params=True` hands it one flat "
+        "buffer per dtype, where it would compute something else. Pass `Nitro(e, ..., flat_params=False)` so "
+        "it sees the params tree.")
+    n = Nitro(Lamb(), data={"train": _reg()}, batch_size=64, progress=False, flat_params=False)
+    n.train()
+    assert n.step == 1
