@@ -107,8 +107,8 @@ def decide(guard, checked: list, halt: bool):
     return apply, jnp.concatenate([head, why])
 
 
-def gated(apply, step, params, flat_grads, opt_state, dev):
-    """`step(params, flat_grads, opt_state, dev)` -> `(params, opt_state)` where `apply`, else
+def gated(apply, step, params, flat_grads, opt_state, *rest):
+    """`step(params, flat_grads, opt_state, *rest)` -> `(params, opt_state)` where `apply`, else
     `(params, opt_state)` as they came in, exactly. Traced inside the optimizer program.
 
     One `lax.cond` around the whole update: XLA:CPU runs the branch taken, and the update's arrays are
@@ -118,12 +118,12 @@ def gated(apply, step, params, flat_grads, opt_state, dev):
     (one that grows it, which recompiles anyway) cannot be a branch of the same type as its input: its
     updates are masked to zeros (one select per flat buffer) and its new state taken as it is.
     """
-    keep = lambda params, flat_grads, opt_state, dev: (params, opt_state)
+    keep = lambda params, flat_grads, opt_state, *rest: (params, opt_state)
     try:
-        return jax.lax.cond(apply, step, keep, params, flat_grads, opt_state, dev)
+        return jax.lax.cond(apply, step, keep, params, flat_grads, opt_state, *rest)
     except TypeError:  # the branches' types differ: the state moved
         pass
-    new_params, new_state = step(params, flat_grads, opt_state, dev)
+    new_params, new_state = step(params, flat_grads, opt_state, *rest)
     new_params = jax.tree.map(lambda n, o: jnp.where(apply, n, o), new_params, params)
     return new_params, select(apply, new_state, opt_state)
 

@@ -4,10 +4,13 @@ Device field reaches a constructor that needs a Python number; then its initial 
 Both checks run before anything compiles, so the user sees the fix, not a trace.
 """
 
+import re
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
 from ._checks import check_optimizer
 from ._errors import NitroTypeError, NitroValueError
@@ -29,6 +32,14 @@ FLAT_SHAPES = (
     "buffer per dtype, where it would compute something else. Pass `Nitro(e, ..., flat_params=False)` so "
     "it sees the params tree."
 )
+
+EXTRA_ARGUMENT = (
+    "the optimizer of `{owner}` needs `{name}=` in its `update` (an optax transformation taking extra "
+    "arguments, such as a line search's `value_fn`); the optimizer program passes only `value=`, the "
+    "step's loss (enough for `reduce_on_plateau` and `polyak_sgd`). Pick a transformation that needs no "
+    "more, or drive the step yourself with `optax` outside nitro_ipy."
+)
+_MISSING_ARGUMENT = re.compile(r"missing \d+ required keyword-only arguments?: '(\w+)'")
 
 DEVICE_IN_CONSTRUCTOR = (
     "the optimizer of `{owner}` passes the Device field {fields} to something that needs a Python number "
@@ -100,7 +111,8 @@ def shape_dependence(tx, trainable) -> str | None:
             sample.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
     if len(sample) == 1 and len(leaves) > 1:
         sample.append(sample[0])
-    closed = jax.make_jaxpr(lambda g, p: tx.update(g, tx.init(p), p)[0])(sample, sample)
+    value = jnp.zeros((), jnp.float32)
+    closed = jax.make_jaxpr(lambda g, p: tx.update(g, tx.init(p), p, **update_args(tx, value))[0])(sample, sample)
     jaxpr = closed.jaxpr
     k = len(sample)
     tags = {}  # var -> (leaves it depends on element by element, leaves it depends on through a full reduction)
@@ -179,9 +191,16 @@ def _trace(b, flat, dev: dict, concrete: str | None = None):
     def run(traced):
         tx = b.optimizer(b.view({**traced, **fixed}))
         state = tx.init(flat)
-        return tx.update(flat, state, flat)
+        return tx.update(flat, state, flat, **update_args(tx, jnp.zeros((), jnp.float32)))
 
     jax.eval_shape(run, {k: v for k, v in dev.items() if k != concrete})
+
+
+def update_args(tx, loss) -> dict:
+    """The keyword arguments the optimizer program passes to `tx.update` besides updates, state and
+    params: the step's loss as `value=`, for a transformation that takes extra arguments (optax's
+    `reduce_on_plateau`, `polyak_sgd`; `optax.chain` hands each member what it accepts)."""
+    return {"value": loss} if isinstance(tx, optax.GradientTransformationExtraArgs) else {}
 
 
 def init_optimizer(b, layout, trainable, dev: dict):
@@ -191,35 +210,44 @@ def init_optimizer(b, layout, trainable, dev: dict):
     - `b`: the handle's `Binding`; `layout`: `FlatLayout` or `TreeLayout` over `trainable`.
     - `trainable`: the float params the optimizer sees; `dev`: the Device values.
 
-    **Returns:** the optimizer state. Raises `NitroValueError` for a path-aware optimizer on the flat
-    layout and `NitroTypeError` for a Device field a constructor needs as a Python number.
+    **Returns:** the optimizer state. Raises `NitroValueError` for an optimizer that looks at paths or
+    at each array's shape on the flat layout, and `NitroTypeError` for a Device field a constructor
+    needs as a Python number or a transformation that needs more extra arguments than `value=`.
     """
     owner = b.cls.__qualname__
     flat = layout.ravel(trainable)
     tx = b.optimizer(b.view(dev))
     check_optimizer(b.cls, tx)
-    if layout.signature[0] == "flat":
+    flat_layout = layout.signature[0] == "flat"
+    if flat_layout:  # before any trace: a mask by path would be handed `{dtype: buffer}`
         cells = path_cells(tx)
         if cells:
             raise NitroValueError(FLAT_PATHS.format(owner=owner, cell=cells[0]))
+    errors = _concretization_errors()
+    try:
+        _trace(b, flat, dev)  # init and one update, abstractly: nothing compiles
+    except errors as err:
+        if not dev:
+            raise
+        culprits = []
+        for name in dev:  # the fields whose concrete value makes the trace succeed
+            try:
+                _trace(b, flat, dev, concrete=name)
+            except errors:
+                continue
+            culprits.append(name)
+        culprits = culprits or list(dev)
+        first = str(err).strip().splitlines()[0]
+        raise NitroTypeError(DEVICE_IN_CONSTRUCTOR.format(
+            owner=owner, fields=", ".join(f"`{c}`" for c in culprits), first=culprits[0],
+            error=f"{type(err).__name__}: {first[:160]}")) from None
+    except TypeError as err:
+        missing = _MISSING_ARGUMENT.search(str(err))
+        if missing is None or missing.group(1) in ("updates", "state", "params", "value"):
+            raise
+        raise NitroTypeError(EXTRA_ARGUMENT.format(owner=owner, name=missing.group(1))) from None
+    if flat_layout:  # after the trace: a transformation wanting more than `value=` is said first
         why = shape_dependence(tx, trainable)
         if why is not None:
             raise NitroValueError(FLAT_SHAPES.format(owner=owner, why=why))
-    if dev:
-        errors = _concretization_errors()
-        try:
-            _trace(b, flat, dev)
-        except errors as err:
-            culprits = []
-            for name in dev:  # the fields whose concrete value makes the trace succeed
-                try:
-                    _trace(b, flat, dev, concrete=name)
-                except errors:
-                    continue
-                culprits.append(name)
-            culprits = culprits or list(dev)
-            first = str(err).strip().splitlines()[0]
-            raise NitroTypeError(DEVICE_IN_CONSTRUCTOR.format(
-                owner=owner, fields=", ".join(f"`{c}`" for c in culprits), first=culprits[0],
-                error=f"{type(err).__name__}: {first[:160]}")) from None
     return tx.init(flat)

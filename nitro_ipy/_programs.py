@@ -30,6 +30,7 @@ from ._checks import check_loss, check_metric_result
 from ._compile import OPTIMIZER_OPTIONS
 from ._guard import decide, gated, parts
 from ._model import EVAL_KEY_SEED, forward_result, step_key
+from ._optimizer import update_args
 
 
 def call_forward(model, owner, forward, view, params, inputs: dict, state, key, train: bool):
@@ -87,20 +88,20 @@ def make_gradient(view_of, forward, loss, input_names, target_names, model, accu
 def make_optimizer(view_of, optimizer, model, halt: bool = True):
     split, layout = model.split, model.layout
 
-    def step(params, flat_grads, opt_state, dev):
+    def step(params, flat_grads, opt_state, dev, loss):
         tx = optimizer(view_of(dev))
         trainable = split.trainable(params)
         # The flat params are only built for an optimizer that reads them (weight decay, say): for one
         # that does not, XLA drops the concatenation, and a step never copies the whole model. The
         # updates are then added array by array, exactly as `apply_updates` on the flat buffer would.
-        updates, new_state = tx.update(flat_grads, opt_state, layout.ravel(trainable))
+        updates, new_state = tx.update(flat_grads, opt_state, layout.ravel(trainable), **update_args(tx, loss))
         return split.with_trainable(params, optax.apply_updates(trainable, layout.unravel(updates))), new_state
 
     def update(params, flat_grads, opt_state, dev, loss, guard):
         # A non-finite loss, gradient or Device value keeps the old buffers (`_guard`): checked here,
         # where params and state are donated, so no step ever syncs with the host to find out.
         apply, guard = decide(guard, parts(loss, flat_grads, dev), halt)
-        new_params, new_state = gated(apply, step, params, flat_grads, opt_state, dev)
+        new_params, new_state = gated(apply, step, params, flat_grads, opt_state, dev, loss)
         return new_params, new_state, guard
 
     return update

@@ -688,3 +688,47 @@ def test_a_shape_dependent_optimizer_is_refused_at_setup_with_the_fix():
     n = Nitro(Lamb(), data={"train": _reg()}, batch_size=64, progress=False, flat_params=False)
     n.train()
     assert n.step == 1
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_an_optimizer_taking_the_loss_gets_the_step_s_loss_as_value(flat):
+    # `reduce_on_plateau` reads `value=` in its update: the step's loss, as the optax docs' loop passes it
+    tx = lambda: optax.chain(optax.sgd(0.5), optax.contrib.reduce_on_plateau(patience=1, factor=0.5))  # noqa: E731
+
+    @dataclasses.dataclass
+    class Plateau(Decayed):
+        def optimizer(self):
+            return tx()
+
+    data = {"train": _reg(32)}
+    n = Nitro(Plateau(), data=data, batch_size=32, progress=False, flat_params=flat)
+    p = jax.tree.map(np.asarray, n.params)
+    n.train(12)
+    # the same steps by hand: one full batch a step, so the order of the rows cannot matter
+    x, y = jnp.asarray(data["train"]["x"]), jnp.asarray(data["train"]["y"])
+    loss = lambda p: jnp.mean((Plateau().forward(p, x=x) - y) ** 2)  # noqa: E731
+    want, state = p, tx().init(p)
+    for _ in range(12):
+        value, g = jax.value_and_grad(loss)(want)
+        u, state = tx().update(g, state, want, value=value)
+        want = optax.apply_updates(want, u)
+    scale = float(optax.tree_utils.tree_get(state, "scale"))
+    assert scale < 1.0  # the plateau was reached: the test is about something
+    assert float(optax.tree_utils.tree_get(n.opt_state, "scale")) == scale
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), n.params, want)
+
+
+def test_an_optimizer_needing_more_than_the_loss_is_refused_at_setup():
+    @dataclasses.dataclass
+    class LineSearch(Decayed):
+        def optimizer(self):
+            return optax.chain(optax.sgd(1.0), optax.scale_by_backtracking_linesearch(max_backtracking_steps=3))
+
+    with pytest.raises(NitroTypeError) as info:
+        Nitro(LineSearch(), data={"train": _reg()}, progress=False)
+    assert str(info.value) == (
+        "the optimizer of `test_an_optimizer_needing_more_than_the_loss_is_refused_at_setup.<locals>.LineSearch` "
+        "needs `grad=` in its `update` (an optax transformation taking extra arguments, such as a line search's "
+        "`value_fn`); the optimizer program passes only `value=`, the step's loss (enough for `reduce_on_plateau` "
+        "and `polyak_sgd`). Pick a transformation that needs no more, or drive the step yourself with `optax` "
+        "outside nitro_ipy.")
