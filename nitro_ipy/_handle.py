@@ -21,7 +21,7 @@ from ._checks import (check_metric_count, check_metric_result, check_metric_sum_
 from ._data import check_splits, eval_batches, split_len, steps_per_epoch
 from ._errors import NitroValueError
 from ._layout import FlatLayout, TreeLayout
-from ._model import Model, ParamSplit, check_given, check_state, run_init, strong
+from ._model import HOST_KEYS, Model, ParamSplit, check_given, check_state, host_step_keys, run_init, strong
 from ._optimizer import init_optimizer
 from ._programs import EVAL, GRAD, METRIC, OPT, PREDICT, make_predict, program_key
 from ._report import Kind
@@ -175,6 +175,7 @@ class Nitro:
         # or the mesh placement that replicates it. A method, not a lambda over `self`: a handle in a
         # reference cycle outlives its last name until a garbage collection, and its programs with it.
         self._rng_place = None if not b.wants_rng else place if on_mesh else False
+        self._host_keys = (None, 0, ())  # (seed, first step, keys): `_seed_step`'s window
 
         # Where an epoch an interrupt cut short stopped: (its steps taken, their loss sum and count); the
         # next train() goes on from there (`_loop.train_epoch`). (0, 0.0, 0) at an epoch boundary.
@@ -287,12 +288,18 @@ class Nitro:
         return entry
 
     def _seed_step(self, step: int):
-        """The gradient program's rng argument for `step`: `[seed, step]` (replicated on a mesh), or None."""
+        """The gradient program's rng argument for `step` (replicated on a mesh), or None: the step's key
+        (`_model.step_key`; before the micro-batch is folded in when `accum > 1`), from a window of
+        `HOST_KEYS` keys computed at once on the host."""
         place = self._rng_place
         if place is None:
             return None
-        seed_step = np.array([self.seed, step], np.uint32)
-        return seed_step if place is False else place.replicate(seed_step)
+        seed, start, keys = self._host_keys
+        if not 0 <= step - start < len(keys) or seed != self.seed:  # (a resume sets the seed it saved)
+            seed, start, keys = self._host_keys = (self.seed, step, host_step_keys(
+                self.seed, step, HOST_KEYS, 0 if self.accum == 1 else None))
+        key = keys[step - start]
+        return key if place is False else place.replicate(key)
 
     def _grad_entry(self, batch):
         routes = self._binding.routes

@@ -8,7 +8,8 @@ is refused before anything is traced, naming its path.
   integer arrays): a float array is trained, any other array is carried, anything else is static.
 - `ParamSplit` holds the static leaves and moves between the user's pytree, the *dynamic* tree the
   programs take (statics replaced by None) and the *trainable* tree the optimizer sees (floats only).
-- `step_key` is the per-step PRNG key rule, the one place it is written.
+- `step_key` is the per-step PRNG key rule, the one place it is written; `host_step_keys` computes
+  the same keys on the host, many steps at once, for the gradient program to take.
 """
 
 import collections.abc
@@ -56,6 +57,42 @@ def step_key(seed, step, micro):
     """The `rng` a hook gets at optimizer step `step`, micro-batch `micro`:
     `fold_in(fold_in(PRNGKey(seed), step), micro)`. Traceable: `seed` and `step` may be traced."""
     return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), step), micro)
+
+
+# `step_key`, computed on the host for many steps at once (NumPy, bit for bit JAX's threefry2x32): the
+# gradient program then takes its key instead of deriving it. Two threefry hashes in every gradient
+# program cost XLA ~20 ms of each compile (a fifth of a small CNN's gradient program beyond its model),
+# paid again at every edit; here they cost ~2 us a step, computed `HOST_KEYS` steps at a time.
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+HOST_KEYS = 256
+
+
+def _threefry2x32(k0, k1, x0, x1):
+    """JAX's `threefry_2x32` hash of the counter pair `(x0, x1)` under the key `(k0, k1)` (uint32 arrays,
+    broadcast): 20 rounds, the key injected every 4."""
+    with np.errstate(over="ignore"):
+        ks = (k0, k1, k0 ^ k1 ^ np.uint32(0x1BD11BDA))
+        x0, x1 = x0 + ks[0], x1 + ks[1]
+        for i in range(5):
+            for r in _ROTATIONS[i % 2]:
+                x0 = x0 + x1
+                x1 = (x1 << np.uint32(r)) | (x1 >> np.uint32(32 - r))
+                x1 = x1 ^ x0
+            x0 = x0 + ks[(i + 1) % 3]
+            x1 = x1 + ks[(i + 2) % 3] + np.uint32(i + 1)
+    return x0, x1
+
+
+def host_step_keys(seed: int, start: int, count: int, micro: int | None = 0) -> np.ndarray:
+    """`step_key(seed, step, micro)` for steps `start .. start + count - 1`: a `[count, 2]` uint32 array
+    of raw keys. With `micro=None`, the keys before the micro-batch is folded in
+    (`fold_in(PRNGKey(seed), step)`), for a gradient program that folds in its micro-batches itself."""
+    steps = (np.arange(start, start + count, dtype=np.int64) & 0xFFFFFFFF).astype(np.uint32)
+    zero = np.zeros(count, np.uint32)
+    k0, k1 = _threefry2x32(zero, np.full(count, seed & 0xFFFFFFFF, np.uint32), zero, steps)  # fold_in(PRNGKey)
+    if micro is not None:
+        k0, k1 = _threefry2x32(k0, k1, zero, np.full(count, micro, np.uint32))
+    return np.stack([k0, k1], axis=1)
 
 
 EVAL_KEY_SEED = 0  # evaluation and predict get `PRNGKey(0)`: deterministic, the same every batch

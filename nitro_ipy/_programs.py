@@ -29,7 +29,7 @@ from ._cache import Key, arg_signature
 from ._checks import check_loss, check_metric_result
 from ._compile import OPTIMIZER_OPTIONS
 from ._guard import decide, gated, parts
-from ._model import EVAL_KEY_SEED, forward_result, step_key
+from ._model import EVAL_KEY_SEED, forward_result
 from ._optimizer import update_args
 
 
@@ -61,10 +61,17 @@ def make_gradient(view_of, forward, loss, input_names, target_names, model, accu
         outputs, state = call_forward(model, owner, forward, view, full, inputs, state, key, True)
         return call_loss(model, loss, view, outputs, {k: batch[k] for k in target_names}, True), state
 
-    def gradient(params, state, dev, batch, seed_step):
+    def gradient(params, state, dev, batch, step_rng):
         view = view_of(dev)
         trainable = split.trainable(params)
-        key = (lambda i: None) if seed_step is None else (lambda i: step_key(seed_step[0], seed_step[1], i))
+        # `step_rng` is the step's key computed on the host (`Nitro._seed_step`): with micro-batches, the
+        # key each one folds in its index to (the `step_key` rule); else the key itself.
+        if step_rng is None:
+            key = lambda i: None  # noqa: E731
+        elif accum == 1:
+            key = lambda i: step_rng  # noqa: E731
+        else:
+            key = lambda i: jax.random.fold_in(step_rng, i)  # noqa: E731
         value_and_grad = jax.value_and_grad(loss_of, has_aux=True)
         if accum == 1:
             (value, state), grads = value_and_grad(trainable, params, state, view, batch, key(0))

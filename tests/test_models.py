@@ -136,6 +136,43 @@ def test_rng_is_per_step_per_micro_batch_reproducible_and_resumed():
     np.testing.assert_allclose(seen, want, rtol=1e-6)
 
 
+def test_the_step_keys_are_computed_on_the_host_bit_for_bit(monkeypatch):
+    from nitro_ipy import _handle
+    from nitro_ipy._model import host_step_keys, step_key
+
+    for seed in (0, 3, 2**31 + 5, 2**32 - 1):
+        for start in (0, 17, 2**31 - 3, 2**32 - 2):
+            want = [np.asarray(step_key(np.uint32(seed), np.uint32((start + i) % 2**32), m)) for i in range(3)
+                    for m in (0, 5)]
+            got = [host_step_keys(seed, start, 3, m)[i] for i in range(3) for m in (0, 5)]
+            np.testing.assert_array_equal(got, want)
+            before = [np.asarray(jax.random.fold_in(jax.random.PRNGKey(np.uint32(seed)), np.uint32((start + i) % 2**32)))
+                      for i in range(3)]
+            np.testing.assert_array_equal(host_step_keys(seed, start, 3, None), before)
+    # a handle without micro-batches takes the step's key; windows of 3 keys roll over within the run
+    monkeypatch.setattr(_handle, "HOST_KEYS", 3)
+    seen = []
+
+    @dataclasses.dataclass
+    class Noisy:
+        def init(self, rng):
+            return {"w": jnp.zeros(())}
+
+        def forward(self, params, *, x, rng):
+            jax.debug.callback(lambda v: seen.append(float(v)), jax.random.normal(rng, ()))
+            return x.sum(-1) * params["w"]
+
+        def loss(self, outputs, *, y):
+            return jnp.mean((outputs - y) ** 2)
+
+    data = {"train": {"x": np.ones((28, 2), np.float32), "y": np.zeros(28, np.float32)}}
+    n = Nitro(Noisy(), data=data, batch_size=4, progress=False, seed=11)
+    n.train(2)  # 14 steps
+    jax.effects_barrier()
+    want = [float(jax.random.normal(step_key(11, s, 0), ())) for s in range(14)]
+    np.testing.assert_allclose(seen, want, rtol=1e-6)
+
+
 class _Eqx(eqx.Module):
     mlp: eqx.nn.MLP
     scale: float
