@@ -2,6 +2,7 @@
 the reserved hook parameters, any params pytree, path-aware optimizers, given params, the errors."""
 
 import dataclasses
+import sys
 
 import equinox as eqx
 import flax.linen as nn
@@ -769,3 +770,52 @@ def test_an_optimizer_needing_more_than_the_loss_is_refused_at_setup():
         "`value_fn`); the optimizer program passes only `value=`, the step's loss (enough for `reduce_on_plateau` "
         "and `polyak_sgd`). Pick a transformation that needs no more, or drive the step yourself with `optax` "
         "outside nitro_ipy.")
+
+
+INIT_CALLS = []
+
+
+def _hidden_width(e):
+    return e.hidden
+
+
+@dataclasses.dataclass
+class Sized:
+    hidden: int = 4  # Host: `init` reads it, the programs never do
+    extra: list = dataclasses.field(default_factory=list)  # Host, mutable
+
+    def init(self, rng):
+        INIT_CALLS.append(1)
+        w = _hidden_width(self) + len(self.extra)
+        return {"w": jnp.zeros((2, w)), "v": jnp.zeros((w,))}
+
+    def forward(self, params, *, x):
+        return jnp.tanh(x @ params["w"]) @ params["v"]
+
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+
+
+def test_rebuild_reuses_init_s_shapes_only_while_nothing_they_hang_on_moved(monkeypatch):
+    n = Nitro(Sized(), data={"train": _reg()}, batch_size=64, progress=False)
+    n.train()
+    INIT_CALLS.clear()
+    n = n.rebuild()
+    n = n.rebuild()
+    assert len(INIT_CALLS) == 1  # the second rebuild's check took the first's shapes: init not traced
+    # a Host field `init` reads: a new value is a new trace, and the carried params no longer fit
+    n.experiment.hidden = 5
+    with pytest.raises(NitroValueError, match=r"params\['v'\]: carried float32\[4\], `init` now gives float32\[5\]"):
+        n.rebuild()
+    n.experiment.hidden = 4
+    n.rebuild()
+    # a list mutated in place: its content moved, so the shapes are traced again
+    n.experiment.extra.append(0)
+    with pytest.raises(NitroValueError, match=r"params\['w'\]: carried float32\[2, 4\], `init` now gives float32\[2, 5\]"):
+        n.rebuild()
+    n.experiment.extra.clear()
+    n.rebuild()
+    # a helper `init` calls, redefined: its dependency closure drifted
+    monkeypatch.setattr(sys.modules[__name__], "_hidden_width", lambda e: e.hidden * 2)
+    with pytest.raises(NitroValueError, match=r"params\['v'\]: carried float32\[4\], `init` now gives float32\[8\]"):
+        n.rebuild()
