@@ -343,22 +343,76 @@ class Head(nn.Module):
         return "never traced"
 """
 
+EQX_NESTED = """
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+
+class Lin(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x):
+        return (x @ self.w) * 1.0
+
+
+class Outer(eqx.Module):
+    inner: Lin
+    act: object = jax.nn.relu
+
+    def __call__(self, x):
+        return self.inner(x)
+
+    def unused(self):
+        return "never traced"
+"""
+
+FLAX_PARTS = """
+import flax.linen as nn
+import jax.numpy as jnp
+
+
+def act(y):
+    return y * 1.0
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(1, use_bias=False, kernel_init=nn.initializers.ones)(x)[..., 0]
+
+
+class Head(nn.Module):
+    def setup(self):
+        self.block = Block()
+
+    def __call__(self, x):
+        return act(self.block(x))
+
+    def unused(self):
+        return "never traced"
+"""
+
+_FLAX_GC = dict(fields="model: GraphConst[Any] = None", init="self.model.init(rng, jnp.ones((1, 2)))",
+                make="E(lr=0.0, model=mymod.Head())")
+
 LIBRARY_MODELS = {
     # An Equinox module as the parameter pytree: its class is re-bound in the carried params.
-    "equinox-in-params": (EQX, dict(init="mymod.Lin(jnp.ones((2,)))"), "params(x)"),
+    "equinox-in-params": (EQX, dict(init="mymod.Lin(jnp.ones((2,)))"), "params(x)", "Lin.__call__"),
     # A Flax Linen module definition in a GraphConst field: re-bound in the rebuilt experiment.
-    "flax-linen-in-graphconst": (FLAX, dict(fields="model: GraphConst[Any] = None",
-                                            init="self.model.init(rng, jnp.ones((1, 2)))",
-                                            make="E(lr=0.0, model=mymod.Head())"),
-                                 "self.model.apply(params, x)"),
+    "flax-linen-in-graphconst": (FLAX, _FLAX_GC, "self.model.apply(params, x)", "Head.__call__"),
+    # An Equinox module nested in another, the edit in the inner one's method.
+    "equinox-nested-module": (EQX_NESTED, dict(init="mymod.Outer(mymod.Lin(jnp.ones((2,))))"), "params(x)",
+                              "Lin.__call__"),
+    # A `setup()`-style Flax module calling a module-level helper: the edit is in the helper.
+    "flax-setup-helper": (FLAX_PARTS, _FLAX_GC, "self.model.apply(params, x)", "act"),
 }
 
 
 @pytest.mark.parametrize("case", list(LIBRARY_MODELS))
 def test_a_library_model_edited_in_its_module_file_and_reloaded(ip, capsys, tmp_path, case):
-    source, parts, forward = LIBRARY_MODELS[case]
+    source, parts, forward, qualname = LIBRARY_MODELS[case]
     _write(tmp_path, source, 0)
-    qualname = "Lin.__call__" if "Lin" in source else "Head.__call__"
     edit = source.replace("* 1.0", "* 3.0")
     stale(ip, capsys, "import mymod", forward, f"open(mymod.__file__, 'w').write({edit!r}); "
           "import os; os.utime(mymod.__file__, (1, os.stat(mymod.__file__).st_mtime + 20)); importlib.reload(mymod)",
@@ -367,7 +421,7 @@ def test_a_library_model_edited_in_its_module_file_and_reloaded(ip, capsys, tmp_
 
 @pytest.mark.parametrize("case", list(LIBRARY_MODELS))
 def test_a_library_model_s_unused_method_edited_and_reloaded_is_no_alarm(ip, capsys, tmp_path, case):
-    source, parts, forward = LIBRARY_MODELS[case]
+    source, parts, forward, _ = LIBRARY_MODELS[case]
     _write(tmp_path, source, 0)
     edit = source.replace('"never traced"', '"edited, still untraced"')
     noop(ip, capsys, "import mymod", forward, f"open(mymod.__file__, 'w').write({edit!r}); "
