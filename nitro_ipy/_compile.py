@@ -23,6 +23,7 @@ from ._compat import (
     own_compile,
     unknown_compile_option,
 )
+from ._errors import library_hint
 from ._explain import explain_miss
 from ._report import Kind
 
@@ -202,14 +203,20 @@ def _build(key, fn, args, donate_argnums, info, record, compiler_options, source
     placed = {} if out_shardings is None else {"out_shardings": out_shardings}
     jitted = jax.jit(fn, donate_argnums=donate_argnums, **placed)
     t0 = time.perf_counter()
-    if record is not None:
-        # Only the trace runs user Python; lowering stays outside the recorder (and off a profiler hook).
-        with record() as recorder:
-            traced = jitted.trace(*args)
-            recorder.traced(traced.jaxpr, fn)
-        closure = recorder.closure
-    else:
-        traced, closure = jitted.trace(*args), None
+    try:
+        if record is not None:
+            # Only the trace runs user Python; lowering stays outside the recorder (and off a profiler hook).
+            with record() as recorder:
+                traced = jitted.trace(*args)
+                recorder.traced(traced.jaxpr, fn)
+            closure = recorder.closure
+        else:
+            traced, closure = jitted.trace(*args), None
+    except Exception as err:
+        hint = library_hint(err)
+        if hint is not None and hint not in getattr(err, "__notes__", ()):
+            err.add_note(hint)
+        raise
     lowered = traced.lower()
     # A program the store cannot hold still skips XLA after a restart, through JAX's own cache.
     on = record is not None and _store.cache_dir() is not None

@@ -31,3 +31,13 @@ class NitroWarning(UserWarning):
 
 class HandleBusyError(NitroError, RuntimeError):
     """An entry point was called on a handle that is training in the background."""
+
+
+def library_hint(err: BaseException) -> str | None:
+    """What to do about an error a library raised inside a hook's trace, where nitro_ipy knows the usual
+    cause (said as a note under the library's own message), or None."""
+    kind, text = type(err), str(err)
+    if kind.__name__ == "TraceContextError" and kind.__module__.startswith("flax") and "Cannot mutate" in text:
+        return ("nitro_ipy: `forward` updates an NNX module under `jax.grad`; rebuild the module inside the "
+                "hook with `nnx.merge(graphdef, params, state, copy=True)` (docs/models.md, Flax NNX).")
+    return None

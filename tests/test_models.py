@@ -819,3 +819,21 @@ def test_rebuild_reuses_init_s_shapes_only_while_nothing_they_hang_on_moved(monk
     monkeypatch.setattr(sys.modules[__name__], "_hidden_width", lambda e: e.hidden * 2)
     with pytest.raises(NitroValueError, match=r"params\['v'\]: carried float32\[4\], `init` now gives float32\[8\]"):
         n.rebuild()
+
+
+def test_an_nnx_module_merged_without_copy_gets_the_fix_under_flax_s_error():
+    @dataclasses.dataclass
+    class NoCopy(NNXExp):
+        def forward(self, params, *, x, state, train):
+            model = nnx.merge(self.graphdef, params, state)  # no copy=True: NNX refuses under jax.grad
+            model.train() if train else model.eval()
+            return model(x), nnx.state(model, nnx.Not(nnx.Param))
+
+    graphdef, _, _ = nnx.split(_NNXNet(4, nnx.Rngs(0)), nnx.Param, ...)
+    n = Nitro(NoCopy(graphdef), data={"train": _reg()}, batch_size=16, progress=False)
+    with pytest.raises(Exception, match="Cannot mutate BatchStat") as info:
+        n.train()
+    assert type(info.value).__name__ == "TraceContextError"
+    assert info.value.__notes__[-1:] == [  # (JAX's own note on its filtered frames comes first)
+        "nitro_ipy: `forward` updates an NNX module under `jax.grad`; rebuild the module inside the hook with "
+        "`nnx.merge(graphdef, params, state, copy=True)` (docs/models.md, Flax NNX)."]
