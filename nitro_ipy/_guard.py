@@ -140,7 +140,7 @@ def select(apply, new, old):
 
 def n_parts(layout, params, dev: dict) -> int:
     """How many values a step of this handle checks (the length of the guard's `why`)."""
-    return len(labels(jax.eval_shape(layout.ravel, params), dev))
+    return len(labels(layout.abstract(params), dev))
 
 
 # ---------------------------------------------------------------- host side: the error

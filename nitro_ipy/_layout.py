@@ -43,6 +43,11 @@ class FlatLayout:
             for name, idx in self.groups.items()
         }
 
+    def abstract(self, tree=None) -> dict:
+        """What `ravel` returns, as shapes and dtypes, worked out without tracing it."""
+        return {name: jax.ShapeDtypeStruct((sum(self.offsets[i][1] for i in idx),), np.dtype(name))
+                for name, idx in self.groups.items()}
+
     def unravel(self, flat: dict):
         leaves = [None] * len(self.shapes)
         for name, idx in self.groups.items():
@@ -66,6 +71,9 @@ class TreeLayout:
 
     def ravel(self, tree):
         return tree
+
+    def abstract(self, tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
     def unravel(self, tree):
         return tree

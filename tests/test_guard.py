@@ -225,3 +225,18 @@ def test_the_guard_sums_losses_compensated_and_skips_non_finite_ones():
     assert count == 10_001 and _guard.bad_steps(guard) == 2
     assert total == pytest.approx(1e4 + 10.0, abs=1e-3)
     assert float(np.cumsum(losses[:-2], dtype=np.float32)[-1]) < 1e4 + 9.9  # what a plain sum would give
+
+
+@pytest.mark.parametrize("layout", ["flat", "tree"])
+def test_the_guard_s_parts_are_what_the_layout_s_ravel_gives_without_tracing_it(layout):
+    from nitro_ipy import _guard
+    from nitro_ipy._layout import FlatLayout, TreeLayout
+
+    params = {"a": jnp.zeros((3, 2)), "b": jnp.zeros(4, jnp.bfloat16), "c": [jnp.zeros(()), jnp.zeros(5, jnp.float16)]}
+    lay = (FlatLayout if layout == "flat" else TreeLayout)(params)
+    traced = jax.eval_shape(lay.ravel, params)
+    assert jax.tree.structure(lay.abstract(params)) == jax.tree.structure(traced)
+    assert [(x.shape, x.dtype) for x in jax.tree.leaves(lay.abstract(params))] == [
+        (x.shape, x.dtype) for x in jax.tree.leaves(traced)]
+    dev = {"lr": jnp.float32(0.1), "steps": jnp.int32(3)}
+    assert _guard.n_parts(lay, params, dev) == len(_guard.labels(traced, dev)) == (5 if layout == "flat" else 6)
