@@ -88,6 +88,7 @@ _ELEMENTWISE = frozenset("""
     sign sin sinh sqrt square stop_gradient sub tan tanh xor shift_left shift_right_logical
     shift_right_arithmetic population_count optimization_barrier
 """.split())
+_ORDER_KEEPING = frozenset("reshape squeeze expand_dims".split())
 _FULL_REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
 
 
@@ -138,6 +139,13 @@ class _ShapeDependent(Exception):
     pass
 
 
+def _full_contraction(eqn) -> bool:
+    """A `dot_general` contracting every axis of both operands (`jnp.vdot` of two arrays of one shape)."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
+    return not lb and not rb and len(lc) == lhs.ndim and len(rc) == rhs.ndim and lhs.shape == rhs.shape
+
+
 def _follow(jaxpr, in_tags: list) -> list:
     """The tags of `jaxpr`'s outputs given its inputs' (see `shape_dependence`); raises `_ShapeDependent`
     naming the first primitive that treats a parameter's elements by their place in its array."""
@@ -152,9 +160,13 @@ def _follow(jaxpr, in_tags: list) -> list:
         subs += [b for p in eqn.params.values() if isinstance(p, tuple) for b in p if hasattr(b, "jaxpr")]
         if not elem:
             out = [(frozenset(), reduced)] * len(eqn.outvars)  # nothing of a parameter's elements: no layout
-        elif name in _ELEMENTWISE or (name in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims")
-                                      and all(getattr(v.aval, "size", 2) == 1 for v in eqn.invars[:1])):
+        elif name in _ELEMENTWISE or name in _ORDER_KEEPING or (
+                name == "broadcast_in_dim" and all(getattr(v.aval, "size", 2) == 1 for v in eqn.invars[:1])):
+            # (A reshape keeps the elements' row-major order, which the flat buffer has too: what comes
+            # after it along some axes is judged where it happens.)
             out = [(elem, reduced)] * len(eqn.outvars)
+        elif name == "dot_general" and _full_contraction(eqn):  # a `vdot`: a full reduction of a product
+            out = [(frozenset(), elem | reduced)] * len(eqn.outvars)
         elif name in _FULL_REDUCTIONS:
             operand = eqn.invars[0].aval
             if len(eqn.params.get("axes", ())) != operand.ndim and operand.size != 1:

@@ -675,6 +675,9 @@ _SAME_FLAT = {
     "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(1e-2), 3),
     "MultiSteps": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
     "schedule": lambda: optax.adam(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)),
+    # global inner products over every parameter (`tree_vdot`: a reshape, then a full contraction)
+    "prodigy": lambda: optax.contrib.prodigy(1.0), "dadapt_adamw": lambda: optax.contrib.dadapt_adamw(1.0),
+    "momo": lambda: optax.contrib.momo(1.0),
 }
 _NOT_SAME_FLAT = {
     "lamb": lambda: optax.lamb(1e-2), "lars": lambda: optax.lars(1e-2),
@@ -682,6 +685,8 @@ _NOT_SAME_FLAT = {
     "novograd": lambda: optax.novograd(1e-2), "fromage": lambda: optax.fromage(1e-2),
     "adaptive_grad_clip": lambda: optax.chain(optax.adaptive_grad_clip(0.01), optax.sgd(1e-2)),
     "trust ratio": lambda: optax.chain(optax.scale_by_adam(), optax.scale_by_trust_ratio(), optax.scale(-1e-2)),
+    "sm3": lambda: optax.sm3(1e-2), "centralize": lambda: optax.chain(optax.centralize(), optax.sgd(1e-2)),
+    "muon": lambda: optax.contrib.muon(1e-2), "DoG": lambda: optax.scale_by_distance_over_gradients(),
 }
 
 
@@ -689,7 +694,9 @@ def _updates(tx, tree, grads, flat: bool):
     ravel = lambda t: jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(t)])  # noqa: E731
     p = ravel(tree) if flat else tree
     state = tx.init(p)
-    step = jax.jit(lambda g, s: tx.update(g, s, p))
+    from nitro_ipy._optimizer import update_args
+
+    step = jax.jit(lambda g, s: tx.update(g, s, p, **update_args(tx, jnp.float32(0.5))))  # `value=` for momo
     for g in grads:
         u, state = step(ravel(g) if flat else g, state)
     return np.asarray(u if flat else ravel(u))
