@@ -60,9 +60,9 @@ def step_key(seed, step, micro):
 
 
 # `step_key`, computed on the host for many steps at once (NumPy, bit for bit JAX's threefry2x32): the
-# gradient program then takes its key instead of deriving it. Two threefry hashes in every gradient
-# program cost XLA ~20 ms of each compile (a fifth of a small CNN's gradient program beyond its model),
-# paid again at every edit; here they cost ~2 us a step, computed `HOST_KEYS` steps at a time.
+# gradient program then takes its key instead of deriving it. `PRNGKey(seed)` and two threefry hashes in
+# every gradient program cost 14% of the Flax CNN's gradient compile (bench_models: 435 -> 357 ms), paid
+# again at every edit; here they cost about 1 us a step, computed `HOST_KEYS` steps at a time.
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 HOST_KEYS = 256
 
