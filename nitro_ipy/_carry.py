@@ -17,6 +17,7 @@ import types
 import jax
 import numpy as np
 
+from . import _closure
 from ._errors import NitroValueError
 from ._fields import graphconst_fields
 from ._fingerprint import Unfingerprintable, fingerprint, function_fingerprint
@@ -118,17 +119,9 @@ def _leaves(tree) -> dict:
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-            out[jax.tree_util.keystr(path)] = (tuple(leaf.shape), _dtype(leaf.dtype))
+            # the dtype as it is: NumPy's, or JAX's own (an `nnx.Rngs` stream's typed key, `key<fry>`)
+            out[jax.tree_util.keystr(path)] = (tuple(leaf.shape), leaf.dtype)
     return out
-
-
-def _dtype(dtype):
-    """`dtype` as a NumPy dtype, or as it is for JAX's own (a typed PRNG key's `key<fry>`, which an
-    `nnx.Rngs` stream keeps in the model state)."""
-    try:
-        return np.dtype(dtype)
-    except TypeError:
-        return dtype
 
 
 def check_fits(cls, init, experiment, seed: int, params, has_state: bool = False, state=None) -> None:
@@ -186,12 +179,10 @@ def abstract_init(cls, init, experiment, seed: int):
     """`init(experiment, PRNGKey(seed))` as shapes and dtypes (`jax.ShapeDtypeStruct`s; non-array leaves
     None), traced abstractly (nothing runs, nothing compiles), or the shapes of the last such trace when
     its dependency closure has not moved and the experiment's field values are the same (by content)."""
-    from . import _closure  # (imported here: `_closure` imports this module's helpers)
-
     key = _init_key(cls, experiment, seed)
     if key is not None and key in _INITS:
         closure, shapes = _INITS[key]
-        if not closure.drift({}) and not closure.superseded:
+        if not closure.drift({}):  # (a closure born stale, `superseded`, is never kept)
             return shapes
     fn = lambda: _arrays_only(init(experiment, jax.random.PRNGKey(seed)))  # noqa: E731
     with _closure.record() as recorder:

@@ -82,7 +82,7 @@ def path_cells(tx) -> list[str]:
 # Primitives that act on each element alone (or pass a value through): an optimizer built of these, full
 # reductions over every parameter at once (a global norm) and scalars means the same on flat buffers.
 _ELEMENTWISE = frozenset("""
-    abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type copy copy_p cos
+    abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type copy cos
     cosh div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow is_finite le lgamma digamma log
     log1p logistic lt max min mul ne neg nextafter not or pow real reduce_precision rem round rsqrt select_n
     sign sin sinh sqrt square stop_gradient sub tan tanh xor shift_left shift_right_logical
@@ -113,14 +113,11 @@ def shape_dependence(tx, trainable) -> str | None:
     if len(sample) == 1 and len(leaves) > 1:
         sample.append(sample[0])
     value = jnp.zeros((), jnp.float32)
-    closed = jax.make_jaxpr(lambda g, p: tx.update(g, tx.init(p), p, **update_args(tx, value))[0])(sample, sample)
-    jaxpr = closed.jaxpr
+    jaxpr = jax.make_jaxpr(lambda g, p: tx.update(g, tx.init(p), p, **update_args(tx, value))[0])(sample, sample).jaxpr
     k = len(sample)
-    tags = {}  # var -> (leaves it depends on element by element, leaves it depends on through a full reduction)
-    for i, v in enumerate(jaxpr.invars):
-        tags[v] = (frozenset([i % k]), frozenset())
+    # each input (the gradients, then the params, leaf by leaf) depends element by element on its own leaf
     try:
-        outs = _follow(jaxpr, [tags.get(v, _NONE) for v in jaxpr.invars])
+        outs = _follow(jaxpr, [(frozenset([i % k]), frozenset()) for i in range(len(jaxpr.invars))])
     except _ShapeDependent as err:
         return str(err)
     everything = frozenset(range(k))
@@ -137,6 +134,16 @@ _NONE = (frozenset(), frozenset())
 
 class _ShapeDependent(Exception):
     pass
+
+
+_CALLS = frozenset("jit pjit closed_call core_call custom_jvp_call custom_vjp_call custom_vjp_call_jaxpr remat "
+                   "checkpoint cond".split())
+
+
+def _sub_jaxprs(eqn) -> list:
+    """The jaxprs an equation calls (a `jit`'s, each branch of a `cond`)."""
+    subs = [p for p in eqn.params.values() if hasattr(p, "jaxpr") or hasattr(p, "eqns")]
+    return subs + [b for p in eqn.params.values() if isinstance(p, tuple) for b in p if hasattr(b, "jaxpr")]
 
 
 def _full_contraction(eqn) -> bool:
@@ -156,8 +163,6 @@ def _follow(jaxpr, in_tags: list) -> list:
         elem = frozenset().union(*(t[0] for t in ins))
         reduced = frozenset().union(*(t[1] for t in ins))
         name = eqn.primitive.name
-        subs = [p for p in eqn.params.values() if hasattr(p, "jaxpr") or hasattr(p, "eqns")]
-        subs += [b for p in eqn.params.values() if isinstance(p, tuple) for b in p if hasattr(b, "jaxpr")]
         if not elem:
             out = [(frozenset(), reduced)] * len(eqn.outvars)  # nothing of a parameter's elements: no layout
         elif name in _ELEMENTWISE or name in _ORDER_KEEPING or (
@@ -172,8 +177,7 @@ def _follow(jaxpr, in_tags: list) -> list:
             if len(eqn.params.get("axes", ())) != operand.ndim and operand.size != 1:
                 raise _ShapeDependent(f"`{name}` along some axes of a parameter")
             out = [(frozenset(), elem | reduced)] * len(eqn.outvars)
-        elif subs and name in ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-                               "custom_vjp_call_jaxpr", "remat", "checkpoint", "cond"):
+        elif name in _CALLS and (subs := _sub_jaxprs(eqn)):
             out = None
             for sub in subs:
                 inner = sub.jaxpr if hasattr(sub, "jaxpr") else sub
