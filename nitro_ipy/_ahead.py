@@ -104,7 +104,8 @@ WORKERS = 2
 _busy: dict = {}  # worker thread -> the Job it runs
 _tracing: set = set()  # workers whose job has not reached its XLA compile yet
 _workers: list = []
-# key -> messages the worker composed, said by the handle that resolves the key (`cache_reset` clears both)
+# key -> (weak ref to the entry, the messages the worker composed), said by the handle that resolves the
+# key (`cache_reset` clears both)
 _held = _memo.Memo("ahead.held", 256)
 _failed = _memo.Memo("ahead.failed", 256)  # keys whose compile raised: the rebuild compiles (and raises) them
 _history: collections.deque = collections.deque(maxlen=64)  # (order taken, Outcome)
@@ -214,7 +215,10 @@ def say(key=None) -> None:
         return
     with _cv:
         keys = list(_held) if key is None else [key] if key in _held else []
-        messages = [m for k in keys for m in _held.pop(k)]
+        held = [_held.pop(k) for k in keys]
+    # Only a program still served: one a later edit poisoned was never run (its key's program now is
+    # another, compiled anew or revived), so its lines would say a compile that did not happen.
+    messages = [m for ref, lines in held if (e := ref()) is not None and not e.poisoned for m in lines]
     for msg in messages:
         _report.send(msg)
 
@@ -430,7 +434,7 @@ def _work() -> None:
                 if status == "failed" and isinstance(detail, Cancelled):
                     status, detail = "cancelled", None
                 if status == "compiled":
-                    _held[job.key] = detail
+                    _held[job.key] = (weakref.ref(entry), detail)
                 elif status == "failed":
                     _failed[job.key] = True
                 _note(job, status, detail if status != "compiled" else None, order=order)

@@ -141,11 +141,12 @@ class Poisoned:
     """One poisoning: the entry while a handle holds it, and what `%nitro_stats` and miss explanations
     keep of it once released (the entry without its executable and closure)."""
 
-    __slots__ = ("ref", "summary")
+    __slots__ = ("ref", "summary", "served")
 
-    def __init__(self, entry: Entry):
+    def __init__(self, entry: Entry, served: bool):
         self.ref = weakref.ref(entry)
         self.summary = dataclasses.replace(entry, call=None, closure=None)
+        self.served = served  # the cache served it: a revival serves it again (an orphan's does not)
 
     def entry(self) -> Entry:
         return self.ref() or self.summary
@@ -317,7 +318,7 @@ def store(entry: Entry, claimed: Claim | None = None) -> None:
             # Its trace ran code that is not the live version: stale at birth. The handle that compiled
             # it runs it (and is told); no other handle is ever served it.
             entry.poisoned, entry.drifted = True, tuple(superseded)
-            state.poisoned.append(Poisoned(entry))
+            state.poisoned.append(Poisoned(entry, served=False))
         else:
             state.entries[entry.key] = entry
         if claimed is not None:
@@ -375,24 +376,29 @@ def poison(entry: Entry, drifted) -> None:
             return
         entry.poisoned = True
         entry.drifted = tuple(drifted)
-        if _state.entries.get(entry.key) is entry:
+        served = _state.entries.get(entry.key) is entry
+        if served:
             del _state.entries[entry.key]
         _state.orphans.discard(entry)
-        _state.poisoned.append(Poisoned(entry))
+        _state.poisoned.append(Poisoned(entry, served))
 
 
 def revive(entry: Entry) -> None:
     """Serve a poisoned `entry` again (its dependencies are as they were when it was compiled): the
     handles holding it stop being stale. A live entry under the same key stays: `entry` is then only
-    current again for the handles that hold it."""
+    current again for the handles that hold it; so is one `cache_reset()` had let go of (an orphan)."""
     with _lock:
-        kept = [p for p in _state.poisoned if p.ref() is not entry]
-        if not entry.poisoned or len(kept) == len(_state.poisoned):
+        mine = [p for p in _state.poisoned if p.ref() is entry]
+        if not entry.poisoned or not mine:
             return  # not poisoned, or a released entry's summary: nothing runs it any more
         entry.poisoned, entry.drifted = False, ()
+        kept = [p for p in _state.poisoned if p.ref() is not entry]
         _state.poisoned.clear()
         _state.poisoned.extend(kept)
-        _state.entries.setdefault(entry.key, entry)
+        if mine[-1].served:
+            _state.entries.setdefault(entry.key, entry)
+        else:
+            _state.orphans.add(entry)  # scanned again, as before it was poisoned
 
 
 # ---------------------------------------------------------------- staleness
@@ -440,11 +446,7 @@ def _scan_entries() -> None:
     memo: dict = {}
     poisoned, names = [], []
     disk: list[str] = []
-    # An edit reverted (its dependencies fingerprint as at compile time again) makes a poisoned entry
-    # current again: revived, it is served instead of compiled anew, and its old handles stop warning.
-    for entry in _held_poisoned():
-        if entry.closure is not None and not entry.closure.drift(memo):
-            revive(entry)
+    held = _held_poisoned()
     for entry in [*_state.entries.values(), *_state.orphans.alive()]:
         closure = entry.closure
         if closure is None:
@@ -456,6 +458,13 @@ def _scan_entries() -> None:
             names.extend(n for n in drifted if n not in names)
         else:
             disk.extend(n for n in closure.disk_edits(memo) if n not in disk)
+    # An edit reverted (its dependencies fingerprint as at compile time again) makes a poisoned entry
+    # current again: revived, it is served instead of compiled anew, and its old handles stop warning.
+    # After the poisoning above, so the key it takes back is free when the reverted edit's own program
+    # (compiled ahead, or by a rebuild) held it.
+    for entry in held:
+        if entry.closure is not None and not entry.closure.drift(memo):
+            revive(entry)
     # Said once per edit: a name stays reported until it stops being a pending disk edit (reloaded).
     _state.disk_reported &= set(disk)
     disk = [n for n in disk if n not in _state.disk_reported]

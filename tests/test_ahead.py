@@ -244,6 +244,29 @@ def test_a_second_edit_discards_the_first_ones_programs(ip, capsys):
     assert params is ip.user_ns["n"]
 
 
+def test_an_edit_reverted_is_served_the_programs_it_had_and_compiles_nothing(ip, capsys):
+    """Edit, then put the old code back before rebuilding: the handle's own programs are current again
+    (revived into the cache), the edit's programs compiled ahead are dropped unsaid, and the rebuild
+    compiles nothing."""
+    _run(ip, EDIT)
+    assert _ahead.wait(60)
+    assert _stats() == (5, 3)
+    originals = {e.kind: e for e in ip.user_ns["n"]._programs.values()}
+    capsys.readouterr()
+    _run(ip, "def helper(r):\n    return r ** 2\n")  # the fixture's helper, as it was
+    assert _ahead.wait(60)
+    assert _outcomes() == [("grad", "compiled"), ("eval", "compiled")]  # the edit's two, nothing after
+    assert _stats() == (5, 3)  # the originals back in the cache, the edit's programs poisoned
+    _run(ip, "n = n.rebuild(); rows = n.train()")
+    out = capsys.readouterr().out
+    assert _stats() == (5, 3)
+    assert "nitro_ipy: compiled" not in out  # the edit's held compile lines are not said: never run
+    served = {e.kind: e for e in ip.user_ns["n"]._programs.values()}
+    assert served["grad"] is originals["grad"] and served["eval"] is originals["eval"]
+    _run(ip, "check = float(jnp.mean((n.predict({'x': X[48:]}) - Y[48:]) ** 2))")
+    assert ip.user_ns["rows"][0]["valid_loss"] == pytest.approx(ip.user_ns["check"], rel=1e-5)
+
+
 def test_a_compile_whose_code_moved_while_it_compiled_is_dropped(ip):
     """A cell redefines `helper` once the trace read it, while XLA compiles: the program is dropped,
     nothing counted, and the key free for the rebuild to compile."""

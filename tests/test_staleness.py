@@ -377,6 +377,24 @@ def test_after_cache_reset_a_live_handle_still_learns_its_programs_went_stale(ip
     np.testing.assert_allclose(ip.user_ns["new"], 3.0 * ip.user_ns["before"], rtol=1e-6)
 
 
+def test_an_edit_reverted_after_cache_reset_revives_the_old_handle_but_serves_no_new_one(ip, capsys):
+    """`cache_reset()` let go of the old handle's programs: reverting an edit makes them current again
+    for that handle (no warning), but a new handle still compiles its own (the reset holds)."""
+    run(ip, capsys, BASE.format(defs=HELPER, forward='helper(x @ params["w"])'))
+    run(ip, capsys, "nitro_ipy.cache_reset()")
+    run(ip, capsys, EDITED)
+    assert STALE_LINE in run(ip, capsys, "n.predict({'x': X[:2]})")
+    run(ip, capsys, HELPER)
+    out = run(ip, capsys, "again = n.predict({'x': X[:2]})")
+    assert STALE_LINE not in out and "compiled" not in out, out
+    assert nitro_ipy.cache_stats().entries == 0
+    out = run(ip, capsys, "n3 = Nitro(E(lr=0.0), data=data, batch_size=4, progress=False); fresh = n3.predict({'x': X[:2]})")
+    assert "compiled predict" in out, out
+    assert nitro_ipy.cache_stats()[1:] == (1, 1)  # (misses, entries): the new handle's own
+    np.testing.assert_array_equal(ip.user_ns["again"], ip.user_ns["before"])
+    np.testing.assert_array_equal(ip.user_ns["fresh"], ip.user_ns["before"])
+
+
 def test_a_poisoned_program_is_released_once_no_handle_holds_it(ip, capsys):
     import gc
     import weakref
