@@ -34,9 +34,10 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from . import _cache, _closure, _compile, _memo, _report, _world
+from . import _cache, _carry, _closure, _compile, _memo, _report, _world
 from ._binding import bind
 from ._hooks import live_class
+from ._model import Model, ParamSplit
 from ._programs import EVAL, SPECS, program_key
 
 ENV = "NITRO_IPY_AHEAD"
@@ -263,8 +264,12 @@ def plan(wanted: set | None = None) -> list[Job]:
             b = bind(handle.experiment, handle._binding.splits, handle._options["schedules"])
         except Exception:  # noqa: BLE001
             continue
+        model = _rebound_model(handle, b)
         for r in list(recipes.values()):
-            key = program_key(r.spec, b, r.args, handle._settings, r.hook)
+            # Instances of a re-run class cell in the arguments (an Equinox model as the params) take the
+            # live class, as `rebuild()` re-binds the training state: else the key is the old program's.
+            args = _carry.live_value(r.args)
+            key = program_key(r.spec, b, args, handle._settings, r.hook)
             if key in _failed:
                 continue
             if wanted is not None:
@@ -272,9 +277,22 @@ def plan(wanted: set | None = None) -> list[Job]:
             if key in seen or _cache.known(key):
                 continue
             seen.add(key)
-            fn = r.spec.build(b, handle._model, handle.accum, r.hook, **r.fields)
-            jobs.append(Job(key, fn, r.args, r.spec, b))
+            fn = r.spec.build(b, model, handle.accum, r.hook, **r.fields)
+            jobs.append(Job(key, fn, args, r.spec, b))
     return sorted(jobs, key=lambda j: _ORDER.get(j.spec.kind, len(_ORDER)))
+
+
+def _rebound_model(handle, b) -> Model:
+    """The `Model` a rebuild of `handle` builds its programs with, against binding `b`: the parameter
+    tree's user classes re-bound to the live code (an Equinox model's, after its cell re-ran), split and
+    laid out again, and `b`'s hooks' reserved parameters. `handle._model` itself when none of it moved."""
+    old = handle._model
+    params = old.split.combine(handle._params)
+    live = _carry.live_value(params)
+    if live is params and old.has_state == b.has_state and old.reserved == b.reserved:
+        return old
+    split = ParamSplit(live)
+    return Model(split, type(handle._layout)(split.trainable(split.dynamic(live))), b.has_state, b.reserved)
 
 
 def _on_a_mesh(handle) -> bool:

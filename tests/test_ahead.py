@@ -267,6 +267,64 @@ def test_an_edit_reverted_is_served_the_programs_it_had_and_compiles_nothing(ip,
     assert ip.user_ns["rows"][0]["valid_loss"] == pytest.approx(ip.user_ns["check"], rel=1e-5)
 
 
+EQUINOX = """
+import equinox as eqx
+
+class Net(eqx.Module):
+    mlp: eqx.nn.MLP
+
+    def __call__(self, x):
+        return jax.vmap(self.mlp)(x)[:, 0] * SCALE
+
+@dataclasses.dataclass
+class Eqx:
+    width: GraphConst[int] = 4
+
+    def init(self, rng):
+        return Net(eqx.nn.MLP(3, 1, self.width, 1, key=rng))
+
+    def forward(self, params, *, x):
+        return params(x)
+
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+
+    def optimizer(self):
+        return optax.adam(1e-2)
+"""
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_an_equinox_model_s_class_edit_compiles_ahead_against_the_live_class(ip, capsys, flat):
+    """The params are instances of the model's class: re-running its cell re-binds them to the live
+    class in the rebuild, and so in the compile ahead, which is served (no second compile) and trains
+    what a compile on demand trains."""
+    _run(ip, EQUINOX.replace("SCALE", "1.0"))
+    _run(ip, f"e = Nitro(Eqx(), data=data, batch_size=16, progress=False, flat_params={flat}); e.train()")
+    assert _ahead.wait(60)
+    _ahead.reset()
+    before = _stats()
+    _run(ip, EQUINOX.replace("SCALE", "2.0"))  # the model's method edited, its cell re-run
+    assert _ahead.wait(60)
+    assert _outcomes() == [("grad", "compiled"), ("eval", "compiled")]
+    assert _stats()[0] == before[0] + 2
+    capsys.readouterr()
+    _run(ip, "e = e.rebuild(); rows = e.train()")
+    assert _stats()[0] == before[0] + 2  # served what compiled ahead
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("nitro_ipy: compiled")]
+    assert [line.split()[2] for line in lines] == ["grad", "eval"]
+    assert all(line.endswith("compiled ahead after your edit") for line in lines)
+    ahead_rows = ip.user_ns["rows"]
+    # the same edit compiled on demand trains the same numbers
+    _run(ip, "%nitro_ahead off")
+    _run(ip, EQUINOX.replace("SCALE", "1.0"))
+    _run(ip, f"e = Nitro(Eqx(), data=data, batch_size=16, progress=False, flat_params={flat}); e.train()")
+    _run(ip, EQUINOX.replace("SCALE", "2.0"))
+    _run(ip, "e = e.rebuild(); rows = e.train()")
+    assert ip.user_ns["rows"] == ahead_rows
+    assert type(ip.user_ns["e"].params) is ip.user_ns["Net"]
+
+
 def test_a_compile_whose_code_moved_while_it_compiled_is_dropped(ip):
     """A cell redefines `helper` once the trace read it, while XLA compiles: the program is dropped,
     nothing counted, and the key free for the rebuild to compile."""
