@@ -45,8 +45,10 @@ def live_value(value, _depth: int = 0):
     if t is dict:
         items = {k: live_value(v, _depth + 1) for k, v in value.items()}
         return value if all(items[k] is v for k, v in value.items()) else items
-    if isinstance(value, type) or not is_user_module(getattr(t, "__module__", "") or ""):
-        return value
+    if isinstance(value, type):  # a class named in a value (an NNX GraphDef's node types): the live one
+        return live_class(value) if is_user_module(getattr(value, "__module__", "") or "") else value
+    if not is_user_module(getattr(t, "__module__", "") or ""):
+        return _live_record(value, _depth) if dataclasses.is_dataclass(value) else value
     attrs = getattr(value, "__dict__", None)
     if type(attrs) is not dict:
         return value
@@ -57,6 +59,24 @@ def live_value(value, _depth: int = 0):
     out = object.__new__(live)  # the live class, without running its `__init__`: the values are kept
     for k, v in new_attrs.items():
         object.__setattr__(out, k, v)  # frozen dataclasses and Equinox modules refuse plain setattr
+    return out
+
+
+def _live_record(value, _depth: int):
+    """A library's dataclass instance with its fields made live (`live_value`): an NNX `GraphDef`, whose
+    nodes name the user's module classes that `nnx.merge` instantiates. A copy made without `__init__`
+    (an Equinox module's takes other arguments) where a field changed, else `value` itself."""
+    fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if hasattr(value, f.name)}
+    new = {k: live_value(v, _depth + 1) for k, v in fields.items()}
+    changed = {k: v for k, v in new.items() if v is not fields[k]}
+    if not changed:
+        return value
+    out = object.__new__(type(value))
+    attrs = getattr(value, "__dict__", None)
+    for k, v in (attrs if type(attrs) is dict else fields).items():
+        object.__setattr__(out, k, v)
+    for k, v in changed.items():
+        object.__setattr__(out, k, v)  # a frozen dataclass refuses plain setattr
     return out
 
 

@@ -17,9 +17,15 @@ def explain_miss(key, info: dict, candidates: Iterable) -> str | None:
         return None
     best = min(similar, key=lambda e: len(diff_keys(e.key, key, e.info, info)))
     lines = diff_keys(best.key, key, best.info, info)
-    if not lines and best.poisoned:
-        return "recompiling against edited code: " + ", ".join(best.drifted)
+    if best.poisoned and all(line.endswith(SAME_REPR) for line in lines):
+        # An edit moved it: with no other change, or through a GraphConst value that names the edited
+        # code (an NNX GraphDef names the module's classes), whose repr does not show what moved.
+        edited = "edited code: " + ", ".join(best.drifted)
+        return "; ".join(lines + [edited]) if lines else "recompiling against " + edited
     return "; ".join(lines) if lines else None
+
+
+SAME_REPR = " (same repr)"  # a GraphConst value whose content moved, not its repr
 
 
 def diff_keys(old, new, old_info: dict, new_info: dict) -> list[str]:
@@ -42,7 +48,11 @@ def _diff_graphconst(old, new, old_info, new_info) -> list[str]:
     moved = [n for n in sorted(a.keys() | b.keys()) if a.get(n, (None,))[0] != b.get(n, (None,))[0]]
     if not moved:
         return ["GraphConst fields moved"]
-    return [f"GraphConst `{n}`: {a.get(n, (None, '?'))[1]} -> {b.get(n, (None, '?'))[1]}" for n in moved]
+    out = []
+    for n in moved:
+        was, now = a.get(n, (None, "?"))[1], b.get(n, (None, "?"))[1]
+        out.append(f"GraphConst `{n}`: {was} -> {now}" if was != now else f"GraphConst `{n}` moved{SAME_REPR}")
+    return out
 
 
 _LEAF_FIELDS = (("shape", "shape"), ("dtype", "dtype"), ("weak", "weak_type"), ("sharding", "sharding"))

@@ -203,8 +203,9 @@ def compile_view(e, device_values: dict | None = None, cls=None, on_attr=None) -
 
 
 def short_repr(value, limit: int = 60) -> str:
-    """`repr(value)`, cut to `limit` characters: how a value is shown in messages and miss explanations."""
-    text = repr(value)
+    """`repr(value)` on one line (a multi-line repr's runs of white space made one space), cut to `limit`
+    characters: how a value is shown in messages and miss explanations."""
+    text = " ".join(repr(value).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -9,6 +9,7 @@ import types
 
 import numpy as np
 import pytest
+from flax import nnx
 from IPython.core.interactiveshell import InteractiveShell
 
 import nitro_ipy
@@ -323,6 +324,73 @@ def test_an_equinox_model_s_class_edit_compiles_ahead_against_the_live_class(ip,
     _run(ip, "e = e.rebuild(); rows = e.train()")
     assert ip.user_ns["rows"] == ahead_rows
     assert type(ip.user_ns["e"].params) is ip.user_ns["Net"]
+
+
+NNX = """
+from flax import nnx
+
+class Net(nnx.Module):
+    def __init__(self, width, rngs):
+        self.lin = nnx.Linear(3, width, rngs=rngs)
+        self.bn = nnx.BatchNorm(width, rngs=rngs)
+        self.out = nnx.Linear(width, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(ACT(self.bn(self.lin(x))))[:, 0]
+"""
+NNX_EXPERIMENT = """
+@dataclasses.dataclass
+class Nx:
+    graphdef: GraphConst[object] = None
+
+    def init(self, rng):
+        _, params, state = nnx.split(Net(4, nnx.Rngs(rng)), nnx.Param, ...)
+        return params, state
+
+    def forward(self, params, *, x, state, train):
+        model = nnx.merge(self.graphdef, params, state, copy=True)
+        model.train() if train else model.eval()
+        return model(x), nnx.state(model, nnx.Not(nnx.Param))
+
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+
+graphdef = nnx.split(Net(4, nnx.Rngs(0)), nnx.Param, ...)[0]
+x = Nitro(Nx(graphdef), data=data, batch_size=16, progress=False)
+x.train()
+"""
+
+
+@pytest.mark.parametrize("ahead", ["on", "off"])
+def test_an_nnx_module_s_class_edit_is_picked_up_by_rebuild_through_the_graphdef(ip, capsys, ahead):
+    """The experiment's NNX GraphDef names the module's classes, which `nnx.merge` instantiates: after
+    the module's cell re-runs, `rebuild()` (and the compile ahead) re-binds them to the live class, so the
+    rebuilt handle runs the edited `__call__`, is not stale, and is served what compiled ahead."""
+    _run(ip, f"%nitro_ahead {ahead}")
+    _run(ip, NNX.replace("ACT", "nnx.relu") + NNX_EXPERIMENT)
+    assert _ahead.wait(60)
+    _ahead.reset()
+    before = _stats()
+    _run(ip, NNX.replace("ACT", "nnx.gelu"))  # the module's method edited, its cell re-run
+    assert _ahead.wait(60)
+    made_ahead = _stats()[0] - before[0]
+    assert made_ahead == (3 if ahead == "on" else 0)  # grad, opt and eval: the GraphConst value moved
+    capsys.readouterr()
+    _run(ip, "x = x.rebuild(); rows = x.train(); got = x.predict({'x': X[48:]})")
+    out = capsys.readouterr().out
+    assert _stats()[0] == before[0] + 3 + 1  # made ahead or by the rebuild, either way once; + predict
+    assert "rebuild it" not in out  # the rebuilt handle runs the live code: not stale
+    grad_line = next(line for line in out.splitlines() if line.startswith("nitro_ipy: compiled grad"))
+    assert "GraphConst `graphdef` moved (same repr); edited code: __main__.Net.__call__" in grad_line
+    assert ("compiled ahead after your edit" in grad_line) == (ahead == "on")
+    # what a handle built from scratch on the edited class computes with the same weights
+    _run(ip, "fresh = nnx.merge(nnx.split(Net(4, nnx.Rngs(0)), nnx.Param, ...)[0], x.params, x.state); "
+             "fresh.eval(); want = fresh(X[48:])")
+    ns = ip.user_ns
+    assert type(nnx.merge(ns["x"].experiment.graphdef, ns["x"].params, ns["x"].state)) is ns["Net"]
+    np.testing.assert_allclose(ns["got"], ns["want"], rtol=1e-6)
+    _run(ip, "old = nnx.merge(graphdef, x.params, x.state); old.eval(); stale = old(X[48:])")
+    assert not np.allclose(ns["got"], ns["stale"])  # the old class (relu) computes otherwise
 
 
 def test_a_compile_whose_code_moved_while_it_compiled_is_dropped(ip):

@@ -539,3 +539,14 @@ def test_device_field_holding_a_string_is_refused_at_setup():
     assert f"Device field `{DevStr.__qualname__}.act` must hold a number or numeric array; got str ('relu')" in msg
     assert "`GraphConst[...]`" in msg and "`Host[...]`" in msg
     assert nitro_ipy.cache_stats() == (0, 0, 0)
+
+
+def test_a_multi_line_repr_is_shown_on_one_line_and_cut():
+    from nitro_ipy._fields import short_repr
+
+    class Tall:
+        def __repr__(self):
+            return "Tall(\n  a=1,\n\n  b=[1,\n     2]\n)"
+
+    assert short_repr(Tall()) == "Tall( a=1, b=[1, 2] )"
+    assert short_repr(Tall(), limit=10) == "Tall( a..."
