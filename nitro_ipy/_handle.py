@@ -22,7 +22,7 @@ from ._data import check_splits, eval_batches, split_len, steps_per_epoch
 from ._errors import NitroValueError
 from ._layout import FlatLayout, TreeLayout
 from ._model import HOST_KEYS, Model, ParamSplit, check_given, check_state, host_step_keys, run_init, strong
-from ._optimizer import init_optimizer
+from ._optimizer import AT_REBUILD, check_setup, init_optimizer
 from ._programs import EVAL, GRAD, METRIC, OPT, PREDICT, make_predict, program_key
 from ._report import Kind
 from ._sharding import in_mesh, pace, placement
@@ -234,9 +234,28 @@ class Nitro:
         _runs.check_idle(self, "rebuild")
         carry = (self.params, self._model_state, self._opt_state, self.step, self.epoch)
         new = Nitro._carrying(self.experiment if e is None else e, self._options, carry)
+        if self._optimizer_may_differ(new):
+            # The state carries over, so the optimizer's setup checks run again without its `init`: an
+            # edit that keeps the state's structure (`clip_by_global_norm` to `adaptive_grad_clip`) would
+            # otherwise train other maths on the flat layout, in silence.
+            try:
+                check_setup(new._binding, new._layout, new._model.split.trainable(new._params), new._dev)
+            except NitroValueError as err:
+                state = ", state=n.state" if new._model_state is not None else ""
+                raise NitroValueError(str(err) + AT_REBUILD.format(state=state)) from None
         new._curve = list(self._curve)  # the loss chart goes on where it was
         new._cursor = self._cursor  # and a cut epoch where it stopped
         return new
+
+    def _optimizer_may_differ(self, new: "Nitro") -> bool:
+        """Whether `new` (this handle rebuilt) may build another optimizer than this one was checked
+        with: its hook or GraphConst values moved, or this handle's optimizer program went stale (a
+        helper it calls was edited), or it never ran one (nothing would have told)."""
+        a, b = self._binding, new._binding
+        _cache.ensure_fresh()  # an edit since the last scan poisons now (one comparison when none)
+        opt = [e for e in self._programs.values() if e.kind == "opt"]
+        return (a.hook_fps.get("optimizer") != b.hook_fps.get("optimizer") or a.graphconst.hash != b.graphconst.hash
+                or not opt or any(e.poisoned for e in opt))
 
     def __repr__(self):
         return (

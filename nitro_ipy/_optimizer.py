@@ -33,6 +33,14 @@ FLAT_SHAPES = (
     "it sees the params tree."
 )
 
+# Said after FLAT_PATHS / FLAT_SHAPES when the refusal comes from `rebuild()`: its optimizer state is the
+# flat layout's, so the switch to the tree layout starts a new handle from the trained parameters.
+AT_REBUILD = (
+    " `rebuild()` carries the optimizer state of the flat layout; to change the layout, start a handle "
+    "from the trained parameters: `Nitro(e, ..., flat_params=False, params=n.params{state})` (the "
+    "optimizer state starts afresh)."
+)
+
 EXTRA_ARGUMENT = (
     "the optimizer of `{owner}` needs `{name}=` in its `update` (an optax transformation taking extra "
     "arguments, such as a line search's `value_fn`); the optimizer program passes only `value=`, the "
@@ -220,13 +228,21 @@ def update_args(tx, loss) -> dict:
 
 
 def init_optimizer(b, layout, trainable, dev: dict):
-    """The optimizer's initial state over `layout.ravel(trainable)`, after the setup checks.
+    """The optimizer's initial state over `layout.ravel(trainable)`, after the setup checks
+    (`check_setup`: the arguments are the same)."""
+    tx, flat = check_setup(b, layout, trainable, dev)
+    return tx.init(flat)
+
+
+def check_setup(b, layout, trainable, dev: dict):
+    """Check the experiment's optimizer for a handle, by tracing its `init` and one `update` abstractly
+    (nothing compiles): at setup, and at a rebuild whose optimizer may have moved.
 
     **Arguments:**
     - `b`: the handle's `Binding`; `layout`: `FlatLayout` or `TreeLayout` over `trainable`.
     - `trainable`: the float params the optimizer sees; `dev`: the Device values.
 
-    **Returns:** the optimizer state. Raises `NitroValueError` for an optimizer that looks at paths or
+    **Returns:** `(tx, flat params)`. Raises `NitroValueError` for an optimizer that looks at paths or
     at each array's shape on the flat layout, and `NitroTypeError` for a Device field a constructor
     needs as a Python number or a transformation that needs more extra arguments than `value=`.
     """
@@ -266,4 +282,4 @@ def init_optimizer(b, layout, trainable, dev: dict):
         why = shape_dependence(tx, trainable)
         if why is not None:
             raise NitroValueError(FLAT_SHAPES.format(owner=owner, why=why))
-    return tx.init(flat)
+    return tx, flat

@@ -463,3 +463,42 @@ def test_a_quiet_cell_resolves_no_method_by_name(ip, capsys, monkeypatch):
     run(ip, capsys, "E.forward = lambda self, params, *, x: 2.0 * (x @ params['w'])")
     _cache.ensure_fresh()
     assert resolved == ["E.forward"]  # the edited one, resolved in full
+
+
+SHAPED = BASE.format(defs="", forward='x @ params["w"] + jnp.sum(params["b"])').replace(
+    "optax.sgd(self.lr)", "optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(self.lr))").replace(
+    '{"w": jnp.ones((2,))}', '{"w": jnp.ones((2,)), "b": jnp.zeros((3,))}')  # two arrays: a clip each
+
+
+@pytest.mark.parametrize("how", ["hook", "helper"])
+def test_a_rebuild_onto_a_shape_dependent_optimizer_is_refused_with_the_fix(ip, capsys, monkeypatch, how):
+    """An optimizer edit that keeps the state's structure (a global clip to a per-parameter one) is
+    checked at the rebuild as at setup: on the flat layout it is refused, naming how to switch layouts;
+    the same refusal whether the hook or a helper it calls was edited. A rebuild that leaves the
+    optimizer alone does not trace it again."""
+    from nitro_ipy import _optimizer
+
+    if how == "helper":
+        source = SHAPED.replace("optax.clip_by_global_norm(1.0)", "clip()")
+        run(ip, capsys, "import optax\ndef clip():\n    return optax.clip_by_global_norm(1.0)\n" + source)
+        edit = "def clip():\n    return optax.adaptive_grad_clip(1.0)\n"
+    else:
+        run(ip, capsys, SHAPED)
+        edit = SHAPED.split("X = np.ones")[0].replace("optax.clip_by_global_norm(1.0)", "optax.adaptive_grad_clip(1.0)")
+    traced = []
+    monkeypatch.setattr(_optimizer, "shape_dependence", lambda tx, t: traced.append(1))  # counts the checks
+    run(ip, capsys, "m = n.rebuild(); m.train()")  # nothing moved: not checked again
+    assert traced == []
+    monkeypatch.undo()
+    run(ip, capsys, edit)
+    result = ip.run_cell("m = n.rebuild()")
+    capsys.readouterr()
+    err = result.error_in_exec
+    assert type(err).__name__ == "NitroValueError"
+    assert str(err).startswith("the optimizer of `E` treats each parameter array by its own shape or norm")
+    assert str(err).endswith(
+        "`rebuild()` carries the optimizer state of the flat layout; to change the layout, start a handle "
+        "from the trained parameters: `Nitro(e, ..., flat_params=False, params=n.params)` (the optimizer "
+        "state starts afresh).")
+    # the fix it names trains
+    run(ip, capsys, "t = Nitro(E(lr=0.0), data=data, batch_size=4, progress=False, flat_params=False, params=n.params); t.train()")
