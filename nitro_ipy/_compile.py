@@ -4,8 +4,11 @@ policy below, time each part, and hand the entry to the cache.
 The cache (`_cache.py`) owns keys, entries and counters; this module owns how a program is built.
 """
 
+import contextlib
+import gc
 import math
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -198,26 +201,48 @@ def _save(entry) -> None:
         _store.save(entry)
 
 
+_gc_lock = threading.Lock()
+_gc_pauses = [0, False]  # [traces and lowerings running, whether automatic collection was on before]
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """No automatic cyclic garbage collection while any thread traces or lowers a program."""
+    with _gc_lock:
+        if _gc_pauses[0] == 0:
+            _gc_pauses[1] = gc.isenabled()
+            gc.disable()
+        _gc_pauses[0] += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses[0] -= 1
+            if _gc_pauses[0] == 0 and _gc_pauses[1]:
+                gc.enable()
+
+
 def _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, why=None, out_shardings=None):
     """Trace (recording), lower and XLA-compile: the `Entry`, not yet stored."""
     placed = {} if out_shardings is None else {"out_shardings": out_shardings}
     jitted = jax.jit(fn, donate_argnums=donate_argnums, **placed)
     t0 = time.perf_counter()
-    try:
-        if record is not None:
-            # Only the trace runs user Python; lowering stays outside the recorder (and off a profiler hook).
-            with record() as recorder:
-                traced = jitted.trace(*args)
-                recorder.traced(traced.jaxpr, fn)
-            closure = recorder.closure
-        else:
-            traced, closure = jitted.trace(*args), None
-    except Exception as err:
-        hint = library_hint(err)
-        if hint is not None and hint not in getattr(err, "__notes__", ()):
-            err.add_note(hint)
-        raise
-    lowered = traced.lower()
+    with gc_paused():
+        try:
+            if record is not None:
+                # Only the trace runs user Python; lowering stays outside the recorder (and off a profiler hook).
+                with record() as recorder:
+                    traced = jitted.trace(*args)
+                    recorder.traced(traced.jaxpr, fn)
+                closure = recorder.closure
+            else:
+                traced, closure = jitted.trace(*args), None
+        except Exception as err:
+            hint = library_hint(err)
+            if hint is not None and hint not in getattr(err, "__notes__", ()):
+                err.add_note(hint)
+            raise
+        lowered = traced.lower()
     # A program the store cannot hold still skips XLA after a restart, through JAX's own cache.
     on = record is not None and _store.cache_dir() is not None
     unstorable = _store.unstorable_reason(traced.jaxpr, closure) if on else None

@@ -121,3 +121,44 @@ def test_a_large_graphconst_array_is_named_by_its_field(capsys):
     Nitro(WithTable(table), batch_size=4, progress=False).predict({"x": np.ones((4, 1024), np.float32)})
     out = capsys.readouterr().out
     assert "bakes in a 2.0 MiB constant float32[1024, 512] (from GraphConst field `table`)" in out, out
+
+
+def test_no_automatic_garbage_collection_interrupts_a_trace_and_its_setting_comes_back():
+    """A full collection of a notebook's heap takes 100-140 ms and, left automatic, lands inside about
+    every other large trace. Tracing and lowering run with it paused (any thread), then it is as before."""
+    import gc
+    import threading
+
+    seen = []
+
+    def loss(x):
+        seen.append(gc.isenabled())
+        return jnp.sum(x ** 2)
+
+    key = Key("probe", "t", (), ("x",), "", ())
+    assert gc.isenabled()
+    _compile._build(key, loss, (np.ones(3, np.float32),), (), None, None, None, None)
+    assert seen == [False] and gc.isenabled()
+    # overlapping pauses in two threads: on again only when the last one ends
+    inner_done, outer_may_end = threading.Event(), threading.Event()
+
+    def other():
+        with _compile.gc_paused():
+            inner_done.set()
+            outer_may_end.wait(10)
+
+    t = threading.Thread(target=other)
+    with _compile.gc_paused():
+        t.start()
+        assert inner_done.wait(10)
+    assert not gc.isenabled()  # the other thread still traces
+    outer_may_end.set()
+    t.join(10)
+    assert gc.isenabled()
+    # a process that turned it off keeps it off
+    gc.disable()
+    try:
+        _compile._build(key, loss, (np.ones(4, np.float32),), (), None, None, None, None)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
