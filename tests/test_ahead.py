@@ -388,7 +388,7 @@ def test_an_nnx_module_s_class_edit_is_picked_up_by_rebuild_through_the_graphdef
              "fresh.eval(); want = fresh(X[48:])")
     ns = ip.user_ns
     assert type(nnx.merge(ns["x"].experiment.graphdef, ns["x"].params, ns["x"].state)) is ns["Net"]
-    np.testing.assert_allclose(ns["got"], ns["want"], rtol=1e-6)
+    np.testing.assert_allclose(ns["got"], ns["want"], rtol=1e-5, atol=1e-6)  # compiled vs op by op
     _run(ip, "old = nnx.merge(graphdef, x.params, x.state); old.eval(); stale = old(X[48:])")
     assert not np.allclose(ns["got"], ns["stale"])  # the old class (relu) computes otherwise
 
