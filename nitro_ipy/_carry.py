@@ -254,7 +254,13 @@ def holds_user_instances(tree, _depth: int = 0) -> bool:
         return any(holds_user_instances(v, _depth + 1) for v in tree)
     if t is dict:
         return any(holds_user_instances(v, _depth + 1) for v in tree.values())
-    return not isinstance(tree, type) and is_user_module(getattr(t, "__module__", "") or "")
+    if isinstance(tree, type):
+        return False
+    if is_user_module(getattr(t, "__module__", "") or ""):
+        return True
+    # A library's record holding one (a user layer in `eqx.nn.Sequential`), as `live_value` re-binds it.
+    return dataclasses.is_dataclass(tree) and any(
+        holds_user_instances(getattr(tree, f.name, None), _depth + 1) for f in dataclasses.fields(tree))
 
 
 class Retreed:

@@ -295,17 +295,25 @@ class Eqx:
 """
 
 
-@pytest.mark.parametrize("flat", [True, False])
-def test_an_equinox_model_s_class_edit_compiles_ahead_against_the_live_class(ip, capsys, flat):
+# The user's class one level down, inside a library's module: `eqx.nn.Sequential([... Net ...])`.
+NESTED = EQUINOX.replace("return Net(eqx.nn.MLP(3, 1, self.width, 1, key=rng))",
+                         "return eqx.nn.Sequential([eqx.nn.Lambda(jnp.tanh), Net(eqx.nn.MLP(3, 1, self.width, 1, key=rng))])"
+                         ).replace("def __call__(self, x):", "def __call__(self, x, *, key=None):")  # Sequential passes `key`
+
+
+@pytest.mark.parametrize("flat, source", [(True, EQUINOX), (False, EQUINOX), (True, NESTED)],
+                         ids=["flat", "tree", "nested-in-sequential"])
+def test_an_equinox_model_s_class_edit_compiles_ahead_against_the_live_class(ip, capsys, flat, source):
     """The params are instances of the model's class: re-running its cell re-binds them to the live
     class in the rebuild, and so in the compile ahead, which is served (no second compile) and trains
-    what a compile on demand trains."""
-    _run(ip, EQUINOX.replace("SCALE", "1.0"))
+    what a compile on demand trains. The optimizer program, whose key the edit leaves alone, is called
+    with the live class's tree, also where that class sits inside one of Equinox's own modules."""
+    _run(ip, source.replace("SCALE", "1.0"))
     _run(ip, f"e = Nitro(Eqx(), data=data, batch_size=16, progress=False, flat_params={flat}); e.train()")
     assert _ahead.wait(60)
     _ahead.reset()
     before = _stats()
-    _run(ip, EQUINOX.replace("SCALE", "2.0"))  # the model's method edited, its cell re-run
+    _run(ip, source.replace("SCALE", "2.0"))  # the model's method edited, its cell re-run
     assert _ahead.wait(60)
     assert _outcomes() == [("grad", "compiled"), ("eval", "compiled")]
     assert _stats()[0] == before[0] + 2
@@ -318,12 +326,13 @@ def test_an_equinox_model_s_class_edit_compiles_ahead_against_the_live_class(ip,
     ahead_rows = ip.user_ns["rows"]
     # the same edit compiled on demand trains the same numbers
     _run(ip, "%nitro_ahead off")
-    _run(ip, EQUINOX.replace("SCALE", "1.0"))
+    _run(ip, source.replace("SCALE", "1.0"))
     _run(ip, f"e = Nitro(Eqx(), data=data, batch_size=16, progress=False, flat_params={flat}); e.train()")
-    _run(ip, EQUINOX.replace("SCALE", "2.0"))
+    _run(ip, source.replace("SCALE", "2.0"))
     _run(ip, "e = e.rebuild(); rows = e.train()")
     assert ip.user_ns["rows"] == ahead_rows
-    assert type(ip.user_ns["e"].params) is ip.user_ns["Net"]
+    live = ip.user_ns["e"].params
+    assert type(live if source is EQUINOX else live.layers[1]) is ip.user_ns["Net"]
 
 
 NNX = """
