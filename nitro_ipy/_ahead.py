@@ -264,7 +264,7 @@ def plan(wanted: set | None = None) -> list[Job]:
             b = bind(handle.experiment, handle._binding.splits, handle._options["schedules"])
         except Exception:  # noqa: BLE001
             continue
-        model = _rebound_model(handle, b)
+        model = None  # made for the first job only: most scans find every key compiled or in flight
         for r in list(recipes.values()):
             # Instances of a re-run class cell in the arguments (an Equinox model as the params) take the
             # live class, as `rebuild()` re-binds the training state: else the key is the old program's.
@@ -277,6 +277,8 @@ def plan(wanted: set | None = None) -> list[Job]:
             if key in seen or _cache.known(key):
                 continue
             seen.add(key)
+            if model is None:
+                model = _rebound_model(handle, b)
             fn = r.spec.build(b, model, handle.accum, r.hook, **r.fields)
             jobs.append(Job(key, fn, args, r.spec, b))
     return sorted(jobs, key=lambda j: _ORDER.get(j.spec.kind, len(_ORDER)))
