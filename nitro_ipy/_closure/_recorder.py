@@ -19,10 +19,13 @@ class Recorder:
     block hands each traced jaxpr over with `r.traced(jaxpr)`.
     """
 
-    __slots__ = ("closure", "_frames", "_attrs", "_jaxprs", "_roots", "_mode", "_tid")
+    __slots__ = ("closure", "kept", "_keep", "_frames", "_attrs", "_jaxprs", "_roots", "_mode", "_tid")
 
-    def __init__(self):
+    def __init__(self, keep: bool = False):
         self.closure: Closure | None = None
+        # With `keep`: `(frames, class attrs)` the recording saw, for `replay` into a later recording.
+        self.kept: tuple = ((), ())
+        self._keep = keep
         self._frames: dict[int, Frame] = {}  # id(code) -> the function as it ran
         self._attrs: dict[tuple, tuple] = {}  # (id(cls), name) -> (cls, name, attr)
         self._jaxprs: list = []  # traced jaxprs (traceback mode)
@@ -43,6 +46,8 @@ class Recorder:
                 self._frames.setdefault(id(frame.code), frame)
         builder = Builder()
         frames = [f for f in self._frames.values() if f is not None]
+        if self._keep:
+            self.kept = (tuple(frames), tuple(self._attrs.values()))
         for code, ns, _cells in frames:
             builder.executed.add((ns.get("__name__") or "?", code.co_qualname))
         for code, ns, cells in frames:
@@ -54,6 +59,11 @@ class Recorder:
         self._attrs.clear()
         self._jaxprs.clear()
         self._roots.clear()
+
+    @property
+    def mode(self) -> str | None:
+        """The recording mode this recorder ran in (`monitoring`, `traceback`, `profile`)."""
+        return self._mode
 
     def traced(self, jaxpr, fn=None) -> None:
         """Hand over what was traced inside this block (`compile_program` does); the probe modes saw it run.
@@ -86,9 +96,21 @@ class Recorder:
         self._frames[id(code)] = Frame(code, frame.f_globals, cells)
 
 
-def record() -> Recorder:
-    """A context manager recording the dependency closure of what runs inside it (in this thread)."""
-    return Recorder()
+def record(keep: bool = False) -> Recorder:
+    """A context manager recording the dependency closure of what runs inside it (in this thread).
+    With `keep`, `r.kept` holds what it saw, for `replay`."""
+    return Recorder(keep)
+
+
+def replay(kept: tuple) -> None:
+    """Tell every recorder active in this thread that the code a `record(keep=True)` saw ran again: a
+    trace JAX served from its cache (`_reuse`) depends on that code as if it had run."""
+    frames, attrs = kept
+    for rec in probes.active.get(threading.get_ident(), ()):
+        for frame in frames:
+            rec._frames.setdefault(id(frame.code), frame)
+        for cls, name, attr in attrs:
+            rec._attrs.setdefault((id(cls), name), (cls, name, attr))
 
 
 def note_class_attr(cls, name: str, attr) -> None:
