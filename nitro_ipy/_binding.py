@@ -80,6 +80,13 @@ class Binding:
         return CompileView(self.cls, {**self.graphconst.values, **dev}, self.hosts, _closure.note_class_attr)
 
     @property
+    def viewer(self):
+        """`view` as a function holding only what a view needs (the class, the GraphConst values, the
+        Host names), not this binding, whose splits hold the data (`_reuse` keeps it past the handle)."""
+        cls, consts, hosts = self.cls, self.graphconst.values, self.hosts
+        return lambda dev: CompileView(cls, {**consts, **dev}, hosts, _closure.note_class_attr)
+
+    @property
     def graphconst_sources(self) -> dict:
         """`{"GraphConst field `name`": value}`: where a large constant baked into a program may come from."""
         return {f"GraphConst field `{n}`": v for n, v in self.graphconst.values.items()}

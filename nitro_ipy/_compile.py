@@ -222,6 +222,23 @@ def gc_paused():
                 gc.enable()
 
 
+def _warm_beside(fn, args):
+    """Start `fn.warm(args)` (a gradient program's `_reuse` warming trace) in a thread, beside the XLA
+    compile about to run, which holds no GIL, once; None when there is nothing to warm."""
+    warm = getattr(fn, "warm", None)
+    if warm is None:
+        return None
+    del fn.warm  # once: what it holds is not kept with the program
+
+    def run():
+        with gc_paused():
+            warm(args)
+
+    thread = threading.Thread(target=run, name="nitro_ipy-warm", daemon=True)
+    thread.start()
+    return thread
+
+
 def _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, why=None, out_shardings=None):
     """Trace (recording), lower and XLA-compile: the `Entry`, not yet stored."""
     placed = {} if out_shardings is None else {"out_shardings": out_shardings}
@@ -251,9 +268,14 @@ def _build(key, fn, args, donate_argnums, info, record, compiler_options, source
     t1 = time.perf_counter()
     for started in XLA_STARTS:  # `_ahead`: its next job may trace now, while XLA holds no GIL
         started()
-    # A program the store holds stays out of JAX's cache; one JAX's cache serves cannot be stored.
-    with own_compile(write_jax_cache=not on or unstorable is not None) as served:
-        compiled, used = xla_compile(lowered, program_options(traced.jaxpr, compiler_options))
+    warming = _warm_beside(fn, args)
+    try:
+        # A program the store holds stays out of JAX's cache; one JAX's cache serves cannot be stored.
+        with own_compile(write_jax_cache=not on or unstorable is not None) as served:
+            compiled, used = xla_compile(lowered, program_options(traced.jaxpr, compiler_options))
+    finally:
+        if warming is not None:  # what the next build finds does not depend on timing (`_reuse`)
+            warming.join()
     t2 = time.perf_counter()
     if served["from_jax_cache"] and unstorable is None:
         unstorable = "JAX's persistent cache served it, and a loaded executable does not serialize again"

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from . import _reuse
 from ._cache import Key, arg_signature
 from ._checks import check_loss, check_metric_result
 from ._compile import OPTIMIZER_OPTIONS
@@ -52,14 +53,25 @@ def call_loss(model, loss, view, outputs, targets: dict, train: bool):
     return check_loss(loss(view, outputs, **targets, **extra))
 
 
-def make_gradient(view_of, forward, loss, input_names, target_names, model, accum: int, owner: str = ""):
+def make_gradient(view_of, forward, loss, input_names, target_names, model, accum: int, owner: str = "",
+                  reuse=None, warming: bool = False):
+    """The gradient program. `reuse`: a `_reuse.Forward` to call the forward through, where its argument
+    types fit (always when `warming`: that trace is what makes it fit)."""
     split, layout = model.split, model.layout
 
-    def loss_of(trainable, params, state, view, batch, key):
-        full = split.combine(split.with_trainable(params, trainable))
+    def loss_of(trainable, params, state, dev, view, batch, key):
         inputs = {k: batch[k] for k in input_names}
-        outputs, state = call_forward(model, owner, forward, view, full, inputs, state, key, True)
+        args = (dev, params, trainable, inputs, state, key)
+        if reuse is not None and (warming or reuse.fits(args)):
+            outputs, state = reuse(*args, warming=warming)
+        else:
+            outputs, state = forward_of(*args, view=view)
         return call_loss(model, loss, view, outputs, {k: batch[k] for k in target_names}, True), state
+
+    def forward_of(dev, params, trainable, inputs, state, key, view=None):
+        full = split.combine(split.with_trainable(params, trainable))
+        view = view_of(dev) if view is None else view
+        return call_forward(model, owner, forward, view, full, inputs, state, key, True)
 
     def gradient(params, state, dev, batch, step_rng):
         view = view_of(dev)
@@ -74,12 +86,12 @@ def make_gradient(view_of, forward, loss, input_names, target_names, model, accu
             key = lambda i: jax.random.fold_in(step_rng, i)  # noqa: E731
         value_and_grad = jax.value_and_grad(loss_of, has_aux=True)
         if accum == 1:
-            (value, state), grads = value_and_grad(trainable, params, state, view, batch, key(0))
+            (value, state), grads = value_and_grad(trainable, params, state, dev, view, batch, key(0))
         else:
             def micro(carry, xs):
                 total, acc, state = carry
                 i, micro_batch = xs
-                (value, state), grads = value_and_grad(trainable, params, state, view, micro_batch, key(i))
+                (value, state), grads = value_and_grad(trainable, params, state, dev, view, micro_batch, key(i))
                 return (total + value, jax.tree.map(jnp.add, acc, grads), state), None
 
             zeros = jax.tree.map(jnp.zeros_like, trainable)
@@ -89,6 +101,7 @@ def make_gradient(view_of, forward, loss, input_names, target_names, model, accu
             grads = jax.tree.map(lambda g: g / accum, grads)
         return layout.ravel(grads), value, state
 
+    gradient.forward_of = forward_of
     return gradient
 
 
@@ -176,7 +189,20 @@ class Spec:
 
 
 def _build_grad(b, model, accum, hook, *, inputs, targets):
-    return make_gradient(b.view, b.forward, b.loss, inputs, targets, model, accum, b.cls.__qualname__)
+    """The gradient program, calling its forward through a warmed `_reuse.Forward` when one is keyed
+    alike and still fresh; else traced plainly, with `warm` set for `_compile._build` to make one."""
+    owner = b.cls.__qualname__
+    key = _reuse.forward_key(b, model, inputs)
+    found = _reuse.lookup(key)
+    gradient = make_gradient(b.view, b.forward, b.loss, inputs, targets, model, accum, owner, reuse=found)
+    if found is None and key is not None:
+        # What the warmed forward keeps (past this handle) holds no binding: its splits hold the data.
+        light = make_gradient(b.viewer, b.forward, b.loss, inputs, targets, model, accum, owner)
+        forward = _reuse.Forward(light.forward_of, b.forward)
+        program = make_gradient(b.view, b.forward, b.loss, inputs, targets, model, accum, owner, reuse=forward,
+                                warming=True)
+        gradient.warm = lambda args: _reuse.warm(key, forward, program, args)
+    return gradient
 
 
 def _build_opt(b, model, accum, hook, *, halt=True):
