@@ -67,14 +67,25 @@ def elapsed() -> float:
 
 
 # ---------------------------------------------------------------------------------------------- runner
+def settle(timeout: float = 120) -> None:
+    """Wait for nitro_ipy's idle-time background work (a compile ahead, a trace-reuse warming): it runs
+    in a user's reading time, so no timed side, nitro's or the baseline's, runs beside it."""
+    from nitro_ipy import _ahead, _reuse
+
+    _ahead.wait(timeout)
+    _reuse.wait(timeout)
+
+
 def interleaved(rounds: int, *sides, pause_gc: bool = False) -> list[list]:
     """`rounds` results of each of `sides()`: even rounds in order, odd rounds with the first side moved
-    last (for two sides A B B A ...). `pause_gc`: a collection before each call and the collector off
-    during it, so no side pays for another's garbage. Returns one list of results per side."""
+    last (for two sides A B B A ...), each after `settle()`. `pause_gc`: a collection before each call and
+    the collector off during it, so no side pays for another's garbage. Returns one list of results per
+    side."""
     out = [[] for _ in sides]
     order = list(range(len(sides)))
     for r in range(rounds):
         for i in order if r % 2 == 0 else order[1:] + order[:1]:
+            settle()
             if not pause_gc:
                 out[i].append(sides[i]())
                 continue

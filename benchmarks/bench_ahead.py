@@ -122,7 +122,7 @@ def setup(sh: Shell):
     sh.run("params = init_mlp(jax.random.PRNGKey(0), %d, %d, %d); opt_state = opt.init(params)"
            % (DEEP["in_dim"], DEEP["width"], DEEP["depth"]))
     sh.run(BASELINE_FIRST_STEP + BASELINE_REST)
-    _ahead.wait(120)
+    H.settle()
 
 
 def cycle(sh: Shell, k: int, pause: float) -> dict:
@@ -141,7 +141,7 @@ def cycle(sh: Shell, k: int, pause: float) -> dict:
     stats1 = nitro_ipy.cache_stats()
     if stats1.misses - stats0.misses != 2:  # grad and eval, nothing more (or the edit went unseen)
         raise RuntimeError(f"the edit compiled {stats1.misses - stats0.misses} programs, not 2 (grad, eval)")
-    _ahead.wait(120)
+    H.settle()
     # The hand-written side: re-run the cell defining the jitted step (and eval), then train and evaluate.
     t_define = sh.run(baseline_cell(k))
     t_step = sh.run(BASELINE_FIRST_STEP)

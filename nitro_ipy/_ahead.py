@@ -34,7 +34,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from . import _cache, _carry, _closure, _compile, _memo, _report, _world
+from . import _cache, _carry, _closure, _compile, _memo, _report, _reuse, _world
 from ._binding import bind
 from ._hooks import live_class
 from ._model import Model, ParamSplit
@@ -183,14 +183,13 @@ _compile.XLA_STARTS.append(_xla_started)
 _cache.AWAITING.append(_awaiting)
 
 
-def _abstract(x):
-    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        sharding = getattr(x, "sharding", None)
-        if sharding is not None and len(sharding.device_set) == 1:
-            sharding = None
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=bool(getattr(x, "weak_type", False)),
-                                    sharding=sharding)
-    return x
+def _quiet_now() -> bool:
+    """`_reuse`: no step loop ran for `QUIET_S`, and no compile ahead is due or running."""
+    with _cv:
+        return _held_back() == 0 and not _busy and not _queue
+
+
+_reuse.IDLE.append(_quiet_now)
 
 
 # ---------------------------------------------------------------- the handle's side (main thread)
@@ -204,7 +203,7 @@ def resolved(handle, spec, key, args: tuple, hook: str | None, fields: dict) -> 
     lines the worker held for it."""
     recipes = _recipes.get(handle)
     if recipes is not None and key not in recipes:
-        recipes[key] = Recipe(spec, hook, dict(fields), jax.tree.map(_abstract, args))
+        recipes[key] = Recipe(spec, hook, dict(fields), _cache.shapes_of(args))
     if _held:
         say(key)
 
@@ -314,7 +313,7 @@ def prefetch_eval(handle) -> bool:
     targets = b.routes["loss"].pick(split) if b.loss is not None else ()
     width = handle.batch_size  # eval batches are padded to the batch width
     batch = lambda names: {k: jax.ShapeDtypeStruct((width,) + split[k].shape[1:], split[k].dtype) for k in names}
-    args = jax.tree.map(_abstract, (handle._params, handle._model_state, handle._dev)) + (
+    args = _cache.shapes_of((handle._params, handle._model_state, handle._dev)) + (
         batch(inputs), batch(targets), jax.ShapeDtypeStruct((), np.int32))
     key = program_key(EVAL, b, args, handle._settings)
     if key in _failed or _cache.known(key):

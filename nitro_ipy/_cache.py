@@ -54,6 +54,22 @@ class Key:
     options: tuple  # ((name, value), ...) trace-time options that change the graph (accum, layout)
 
 
+def shapes_of(tree):
+    """`tree` with each array replaced by its `jax.ShapeDtypeStruct` (a multi-device sharding kept): what
+    a later trace needs of arguments, holding none of their buffers alive."""
+    return jax.tree.map(_shape_of, tree)
+
+
+def _shape_of(x):
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        sharding = getattr(x, "sharding", None)
+        if sharding is not None and len(sharding.device_set) == 1:
+            sharding = None
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=bool(getattr(x, "weak_type", False)),
+                                    sharding=sharding)
+    return x
+
+
 def arg_signature(args: tuple, names: tuple = ()) -> tuple:
     """The `args` key component: tree structure plus shape, dtype, weak type and sharding of each leaf.
 

@@ -15,7 +15,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from . import _cache, _report, _store
+from . import _cache, _report, _reuse, _store
 from ._carry import Retreed, holds_user_instances
 from ._compat import (
     FUSION_EMITTERS_OPTION,
@@ -222,25 +222,29 @@ def gc_paused():
                 gc.enable()
 
 
-def _warm_beside(fn, args):
-    """Start `fn.warm(args)` (a gradient program's `_reuse` warming trace) in a thread, beside the XLA
-    compile about to run, which holds no GIL, once; None when there is nothing to warm."""
-    warm = getattr(fn, "warm", None)
-    if warm is None:
-        return None
-    del fn.warm  # once: what it holds is not kept with the program
+_building = [0]  # builds running, in any thread: a `_reuse` warming waits for none
 
-    def run():
-        with gc_paused():
-            warm(args)
 
-    thread = threading.Thread(target=run, name="nitro_ipy-warm", daemon=True)
-    thread.start()
-    return thread
+def _no_build() -> bool:
+    return _building[0] == 0
+
+
+_reuse.IDLE.append(_no_build)
 
 
 def _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, why=None, out_shardings=None):
     """Trace (recording), lower and XLA-compile: the `Entry`, not yet stored."""
+    with _gc_lock:
+        _building[0] += 1
+    try:
+        return _trace_and_compile(key, fn, args, donate_argnums, info, record, compiler_options, sources, why,
+                                  out_shardings)
+    finally:
+        with _gc_lock:
+            _building[0] -= 1
+
+
+def _trace_and_compile(key, fn, args, donate_argnums, info, record, compiler_options, sources, why, out_shardings):
     placed = {} if out_shardings is None else {"out_shardings": out_shardings}
     jitted = jax.jit(fn, donate_argnums=donate_argnums, **placed)
     t0 = time.perf_counter()
@@ -268,14 +272,13 @@ def _build(key, fn, args, donate_argnums, info, record, compiler_options, source
     t1 = time.perf_counter()
     for started in XLA_STARTS:  # `_ahead`: its next job may trace now, while XLA holds no GIL
         started()
-    warming = _warm_beside(fn, args)
-    try:
-        # A program the store holds stays out of JAX's cache; one JAX's cache serves cannot be stored.
-        with own_compile(write_jax_cache=not on or unstorable is not None) as served:
-            compiled, used = xla_compile(lowered, program_options(traced.jaxpr, compiler_options))
-    finally:
-        if warming is not None:  # what the next build finds does not depend on timing (`_reuse`)
-            warming.join()
+    # A program the store holds stays out of JAX's cache; one JAX's cache serves cannot be stored.
+    with own_compile(write_jax_cache=not on or unstorable is not None) as served:
+        compiled, used = xla_compile(lowered, program_options(traced.jaxpr, compiler_options))
+    warm = getattr(fn, "warm", None)
+    if warm is not None:  # a gradient program traced plainly: warm its forward when idle (`_reuse`)
+        del fn.warm
+        warm(args)
     t2 = time.perf_counter()
     if served["from_jax_cache"] and unstorable is None:
         unstorable = "JAX's persistent cache served it, and a loaded executable does not serialize again"

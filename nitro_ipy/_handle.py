@@ -14,7 +14,7 @@ binding.
 import jax
 import numpy as np
 
-from . import _ahead, _cache, _carry, _checkpoint, _closure, _compile, _html, _loop, _progress, _report, _runs, _store
+from . import _ahead, _cache, _carry, _checkpoint, _closure, _compile, _html, _loop, _progress, _report, _reuse, _runs, _store
 from ._binding import bind
 from ._checks import (check_metric_count, check_metric_result, check_metric_sum_shape, check_not_empty,
                       check_on_nonfinite)
@@ -370,7 +370,8 @@ class Nitro:
         # This call's progress report (None with `progress=False`); the loop reads it from the handle.
         progress = self._progress = _progress.start(self, epochs, steps, quiet=control.quiet)
         try:
-            rows = self._epochs(control, split, fields, epochs, progress)
+            with _reuse.training():  # no trace-reuse warming while this trains
+                rows = self._epochs(control, split, fields, epochs, progress)
         except BaseException as err:
             if progress is not None:
                 progress.close(err)

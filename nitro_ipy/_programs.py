@@ -190,18 +190,19 @@ class Spec:
 
 def _build_grad(b, model, accum, hook, *, inputs, targets):
     """The gradient program, calling its forward through a warmed `_reuse.Forward` when one is keyed
-    alike and still fresh; else traced plainly, with `warm` set for `_compile._build` to make one."""
+    alike and still fresh; else traced plainly, with `warm` set for `_compile._build`: once it compiled,
+    a `Forward` is warmed for the next one, when the process is idle."""
     owner = b.cls.__qualname__
     key = _reuse.forward_key(b, model, inputs)
     found = _reuse.lookup(key)
     gradient = make_gradient(b.view, b.forward, b.loss, inputs, targets, model, accum, owner, reuse=found)
-    if found is None and key is not None:
+    if found is None and key is not None and not _reuse.pending(key):
         # What the warmed forward keeps (past this handle) holds no binding: its splits hold the data.
         light = make_gradient(b.viewer, b.forward, b.loss, inputs, targets, model, accum, owner)
         forward = _reuse.Forward(light.forward_of, b.forward)
         program = make_gradient(b.view, b.forward, b.loss, inputs, targets, model, accum, owner, reuse=forward,
                                 warming=True)
-        gradient.warm = lambda args: _reuse.warm(key, forward, program, args)
+        gradient.warm = lambda args: _reuse.schedule(key, forward, program, args)
     return gradient
 
 

@@ -8,15 +8,17 @@ program that calls the same `Forward` with the same argument types traces only t
 of 200 ms. XLA inlines the call, so the compiled program computes the same maths.
 
 The inner call makes its *first* trace about twice as long as a plain one: JAX derives a traced jaxpr
-instead of tracing the Python once. So no program pays that on its own critical path:
-- A gradient program with no usable `Forward` traces its forward plainly. It then *warms* a new one
-  beside its own XLA compile, which holds no GIL: another thread traces the same program through the new
-  `Forward`, and the build waits for that thread before it returns. What the next build finds therefore
-  never depends on timing.
+instead of tracing the Python once. So no program pays that on its critical path:
+- A gradient program with no usable `Forward` traces its forward plainly, and queues a *warming*: when
+  the process is idle (no training for `QUIET_S`, no compile anywhere), a background thread
+  traces the same program again through a new `Forward` (`schedule`). That is the user's reading time
+  after a compile; an edit of the forward itself then costs nothing beside its own compile.
 - The next gradient program whose forward is keyed alike takes it (`forward_key`: owner, forward hook
   fingerprint, GraphConst values, Host names, static leaves, batch inputs, reserved parameters). It needs
   two more things: the forward's own recorded closure has not moved (an edited helper below the forward
-  discards it), and the call's argument types are the ones traced (`Forward.fits`).
+  discards it), and the call's argument types are the ones traced (`Forward.fits`). A program built
+  while its warming is still due or running traces plainly: whether it reuses changes only how long its
+  trace takes, since XLA compiles the same maths either way (`tests/test_reuse.py` compares the bits).
 - A trace that JAX serves from its cache runs none of the forward's Python. So what the forward's first
   trace recorded is replayed into the program's recording (`_closure.replay`), and the new program
   depends on the forward's code as if it had traced it.
@@ -28,13 +30,16 @@ The warming trace runs the user's `forward` and `loss` once more. Whatever they 
 dropped there (`_quiet`), so a `print` in a hook still prints once per compile.
 """
 
+import collections
+import contextlib
 import os
 import sys
 import threading
+import time
 
 import jax
 
-from . import _closure, _memo
+from . import _cache, _closure, _memo
 
 ENV = "NITRO_IPY_TRACE_REUSE"
 _enabled = os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
@@ -67,7 +72,8 @@ def forward_key(b, model, input_names) -> tuple | None:
 
 
 def lookup(key) -> "Forward | None":
-    """The warmed `Forward` of `key` if its closure has not moved; a stale one is discarded."""
+    """The warmed `Forward` of `key` if its closure has not moved; a stale one is discarded. None while
+    its warming is still due or running: the program traces plainly then (the same maths)."""
     found = None if key is None else _forwards.get(key)
     if found is None:
         return None
@@ -139,8 +145,8 @@ class Forward:
 
 def warm(key, forward: Forward, program, args) -> bool:
     """Trace `program` (the gradient program, calling through `forward`) for `args`, so that JAX caches
-    the forward's trace and derivative; then keep `forward` for the next program keyed `key`. Called
-    beside the XLA compile of the program traced plainly; returns whether `forward` was kept."""
+    the forward's trace and derivative; then keep `forward` for the next program keyed `key`. Returns
+    whether `forward` was kept."""
     try:
         with _quiet():
             jax.jit(program).trace(*args)
@@ -152,6 +158,96 @@ def warm(key, forward: Forward, program, args) -> bool:
     _forwards[key] = forward
     stats["warmed"] += 1
     return True
+
+
+# ---------------------------------------------------------------- warming when idle
+# Whether the process is idle enough to warm: `_ahead` adds "no step loop for QUIET_S, no compile ahead
+# busy", `_compile` "no build running" (a warming trace takes the GIL and a core for a few hundred ms).
+IDLE: list = []
+NICE = 10  # the warming thread's niceness (Linux), as the compile-ahead workers'
+QUIET_S = 0.25  # and no handle trained for this long (`training`): the user's next cell comes first
+_training = [0, 0.0]  # train() calls running, `time.monotonic()` when the last one ended
+_cv = threading.Condition()
+_due: collections.OrderedDict = collections.OrderedDict()  # key -> (Forward, program, abstract args)
+_running: list = []  # the key being warmed, while one is
+_thread: list = []
+
+
+def schedule(key, forward: Forward, program, args) -> None:
+    """Queue the warming of `forward` for `key` (once per key), to run when the process is idle. The
+    arguments are kept as shapes only."""
+    with _cv:
+        if key in _due or key in _running:
+            return
+        _due[key] = (forward, program, _cache.shapes_of(args))
+        if not (_thread and _thread[0].is_alive()):
+            _thread[:] = [threading.Thread(target=_work, name="nitro_ipy-warm", daemon=True)]
+            _thread[0].start()
+        _cv.notify_all()
+
+
+def pending(key) -> bool:
+    with _cv:
+        return key in _due or key in _running
+
+
+def wait(timeout: float | None = None) -> bool:
+    """Wait until no warming is due or running (tests, benchmarks); False on timeout."""
+    with _cv:
+        return _cv.wait_for(lambda: not _due and not _running, timeout)
+
+
+def _clear() -> None:
+    with _cv:
+        _due.clear()
+        _cv.notify_all()
+
+
+_memo.register(_clear)  # `cache_reset()` drops what is due (it holds the user's functions)
+
+
+@contextlib.contextmanager
+def training():
+    """Around a handle's training (its epochs and validations, in any thread): no warming starts then."""
+    with _cv:
+        _training[0] += 1
+    try:
+        yield
+    finally:
+        with _cv:
+            _training[0] -= 1
+            _training[1] = time.monotonic()
+            _cv.notify_all()
+
+
+def _idle() -> bool:
+    if _training[0] or time.monotonic() - _training[1] < QUIET_S:
+        return False
+    return all(ok() for ok in IDLE)
+
+
+def _work() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+    except (AttributeError, OSError):
+        pass
+    while True:
+        with _cv:
+            while not (_due and _idle()):
+                _cv.wait(0.05 if _due else None)
+            key, (forward, program, args) = _due.popitem(last=False)
+            _running.append(key)
+        try:
+            from ._compile import gc_paused
+
+            with gc_paused():
+                warm(key, forward, program, args)
+        except BaseException:  # noqa: BLE001 - the thread outlives anything one warming does
+            pass
+        finally:
+            with _cv:
+                _running.clear()
+                _cv.notify_all()
 
 
 _mute_lock = threading.Lock()

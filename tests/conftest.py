@@ -13,7 +13,7 @@ os.environ["NITRO_IPY_CACHE_DIR"] = ""
 import pytest
 
 import nitro_ipy
-from nitro_ipy import _ahead
+from nitro_ipy import _ahead, _reuse
 
 
 @pytest.fixture(autouse=True)
@@ -25,3 +25,4 @@ def _fresh_cache():
         yield
     nitro_ipy.cache_reset()
     _ahead.wait(60)  # a compile ahead still in flight never spills into the next test's counts
+    _reuse.wait(60)  # nor a trace-reuse warming (it is idle work: it runs after the test's last step)

@@ -93,6 +93,7 @@ def ip(capsys):
     _run(shell, _cell(BASE_LOSS))
     _run(shell, DATA)
     _run(shell, "n = Nitro(Reuse(), data=data, batch_size=16, progress=False)\nn.train()")
+    assert _reuse.wait(60)
     capsys.readouterr()
     assert _reuse.stats["warmed"] >= 1  # the first gradient compile warmed a forward beside its XLA
     _before.clear()
@@ -124,6 +125,7 @@ def _scenario(ip, *edits):
     for edit in edits:
         _run(ip, edit)
         _run(ip, "n = n.rebuild()\nn.train()")
+        assert _reuse.wait(60)  # the warming is idle work: it runs once training stopped
         assert not _stale(ip.user_ns["n"])
     return ip.user_ns["n"]
 
@@ -136,6 +138,7 @@ def _plainly(ip, *edits):
         _run(ip, HELPERS)
         _run(ip, _cell(BASE_LOSS))
         _run(ip, "n = Nitro(Reuse(), data=data, batch_size=16, progress=False)\nn.train()")
+        assert _reuse.wait(60)
         return _scenario(ip, *edits)
     finally:
         _reuse.set_trace_reuse(previous)
@@ -187,19 +190,30 @@ def test_an_edit_below_the_forward_is_never_served_the_old_trace(ip, edit):
 
 def test_a_graphconst_change_or_a_forward_edit_traces_plainly(ip):
     _run(ip, "n2 = Nitro(Reuse(hidden=5), data=data, batch_size=16, progress=False)\nn2.train()")
+    assert _reuse.wait(60)
     assert _stats() == {"warmed": 1, "reused": 0, "discarded": 0, "retraced": 0}  # another key: its own
     _run(ip, _cell(BASE_LOSS).replace("return block(params, x)", "return block(params, x) * 2.0"))
     _run(ip, "n = n.rebuild()\nn.train()")
+    assert _reuse.wait(60)
     assert _stats() == {"warmed": 2, "reused": 0, "discarded": 0, "retraced": 0}
 
 
-def test_a_print_in_the_forward_prints_once_per_compile(ip, capsys):
-    _run(ip, _cell(BASE_LOSS).replace("return block(params, x)",
-                                                 "print('tracing forward')\n        return block(params, x)"))
+def test_the_warming_runs_once_training_stopped_and_prints_nothing(ip, capsys):
+    """A print in the forward prints once per compile; the warming trace, in its own thread, runs only
+    when no handle trained for `QUIET_S` (it takes the GIL and a core)."""
+    _run(ip, "import threading, time\nTRACES = []")
+    _run(ip, _cell(BASE_LOSS).replace(
+        "return block(params, x)",
+        "TRACES.append((threading.current_thread().name, time.monotonic()))\n"
+        "        print('tracing forward')\n        return block(params, x)"))
     capsys.readouterr()
     _run(ip, "n = n.rebuild()\nn.train()")
+    assert _reuse.wait(60)
     out = capsys.readouterr().out
     # the gradient program (traced plainly: the forward changed) and the evaluation program; the warming
     # trace of the gradient program prints nothing
-    assert out.count("tracing forward") == 2
+    assert out.count("tracing forward") == 2, out
     assert _stats()["warmed"] == 1
+    traces = ip.user_ns["TRACES"]
+    assert [name for name, _ in traces] == ["MainThread", "MainThread", "nitro_ipy-warm"]
+    assert traces[2][1] >= _reuse._training[1] + _reuse.QUIET_S  # after train() returned, and quiet
