@@ -230,6 +230,7 @@ def _no_build() -> bool:
 
 
 _reuse.IDLE.append(_no_build)
+_reuse.WHILE_TRACING.append(gc_paused)
 
 
 def _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, why=None, out_shardings=None):

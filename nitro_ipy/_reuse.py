@@ -164,6 +164,7 @@ def warm(key, forward: Forward, program, args) -> bool:
 # Whether the process is idle enough to warm: `_ahead` adds "no step loop for QUIET_S, no compile ahead
 # busy", `_compile` "no build running" (a warming trace takes the GIL and a core for a few hundred ms).
 IDLE: list = []
+WHILE_TRACING: list = []  # context managers around a warming trace: `_compile.gc_paused`
 NICE = 10  # the warming thread's niceness (Linux), as the compile-ahead workers'
 QUIET_S = 0.25  # and no handle trained for this long (`training`): the user's next cell comes first
 _training = [0, 0.0]  # train() calls running, `time.monotonic()` when the last one ended
@@ -238,9 +239,9 @@ def _work() -> None:
             key, (forward, program, args) = _due.popitem(last=False)
             _running.append(key)
         try:
-            from ._compile import gc_paused
-
-            with gc_paused():
+            with contextlib.ExitStack() as stack:
+                for context in WHILE_TRACING:
+                    stack.enter_context(context())
                 warm(key, forward, program, args)
         except BaseException:  # noqa: BLE001 - the thread outlives anything one warming does
             pass
