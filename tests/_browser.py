@@ -17,8 +17,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
 CHROMIUM = "/usr/bin/chromium"
@@ -35,15 +33,6 @@ UNCLICKED_CELL = "def huber(r, delta=0.7)"  # how `output_of` finds that cell
 
 def chromium_available() -> bool:
     return Path(CHROMIUM).exists()
-
-
-# What a browser shows does not depend on the interpreter minor version; the kernel code these tests drive
-# is tested on every Python by test_kernel, test_notebook and test_runs_kernel. So `tools/ci_tests.py` runs
-# the browser and export tests (about three minutes) on its first Python only, and sets this on the others.
-ONCE_PER_CI = pytest.mark.skipif(
-    os.environ.get("NITRO_IPY_CI_BROWSER") == "0",
-    reason="browser and export rendering: run once per CI run, on its first Python (tools/ci_tests.py)",
-)
 
 
 def _free_port() -> int:

@@ -16,6 +16,26 @@ import nitro_ipy
 from nitro_ipy import _ahead, _reuse
 
 
+# What does not depend on the Python minor version runs once per CI run, on its first Python:
+# `tools/ci_tests.py` sets NITRO_IPY_CI_ONCE=0 on the others. What a browser shows and what an export
+# renders (the kernel code they drive is tested on every Python by test_kernel, test_notebook and
+# test_runs_kernel); meshes, processes and checkpoints (JAX, XLA and orbax, not the interpreter); the
+# Jupyter server's save hook; the pages' code blocks and the digits notebook (whole-product runs of what
+# the per-feature tests check on every Python). The recorder, fingerprints, closures, staleness, the
+# program store and everything else run on each.
+ONCE_PER_CI = ("test_browser.py", "test_export.py", "test_sharding.py", "test_checkpoint.py", "test_savehook.py",
+               "test_docs.py", "test_digits_notebook.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("NITRO_IPY_CI_ONCE") != "0":
+        return
+    once = pytest.mark.skip(reason="independent of the Python version: run once per CI run, on its first Python")
+    for item in items:
+        if item.path.name in ONCE_PER_CI:
+            item.add_marker(once)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_cache():
     """Every test starts from an empty compile cache and fails on any of our own warnings."""

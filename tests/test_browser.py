@@ -14,12 +14,12 @@ import os
 import re
 
 import pytest
-from _browser import ONCE_PER_CI, WIDTH, chromium_available, walkthrough
+from _browser import WIDTH, chromium_available, walkthrough
 
 pytestmark = [pytest.mark.skipif(
     not chromium_available() and os.environ.get("CI") != "true",
     reason="Chromium is not installed (`apt-get install chromium`); CI installs it and runs this test",
-), ONCE_PER_CI]
+)]
 
 
 def _rgb(text: str) -> tuple:

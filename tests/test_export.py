@@ -14,13 +14,13 @@ import sys
 
 import pytest
 from _browser import (
-    CHROMIUM, CHROMIUM_ARGS, NOTEBOOK, ONCE_PER_CI, ROOT, WIDTH, chromium_available, computed, contrasts,
+    CHROMIUM, CHROMIUM_ARGS, NOTEBOOK, ROOT, WIDTH, chromium_available, computed, contrasts,
 )
 
 pytestmark = [pytest.mark.skipif(
     not chromium_available() and os.environ.get("CI") != "true",
     reason="Chromium is not installed (`apt-get install chromium`); CI installs it and runs this test",
-), ONCE_PER_CI]
+)]
 
 THEMES = ("light", "dark")
 

@@ -3,8 +3,9 @@
 For each interpreter: `pip install -e ".[test]"` into a virtual environment under `.ci/venvs/` (made on
 first use, remade with `--fresh`), then `pytest -q`. The interpreter running this script is used as it is
 (the README's test command has just installed the package into it), so CI pays two fresh installs, not
-three. The browser and export tests (rendering, which does not depend on the Python minor version) run on
-the first Python only. Fails if any Python's suite fails or an
+three. The tests that do not depend on the Python minor version (browser and export rendering, meshes and
+processes, checkpoints, the server's save hook, the pages and the digits notebook: `tests/conftest.py`'s
+`ONCE_PER_CI`) run on the first Python only. Fails if any Python's suite fails or an
 install fails; a Python that is not on the machine is skipped with a line saying so (CI wants all three:
 `--require-all`). The last line is a pytest-style summary over every Python: `N passed, N failed, ...`.
 
@@ -69,12 +70,12 @@ def install(version: str, exe: str, fresh: bool) -> Path:
     return py
 
 
-def run_tests(version: str, py: Path, pytest_args: list, browser: bool = True) -> dict:
+def run_tests(version: str, py: Path, pytest_args: list, once: bool = True) -> dict:
     """Run pytest with `py`; returns the counts of its summary line (`{"passed": N, ...}`) and `rc`.
-    Unless `browser`, the browser and export tests are skipped (`tests/_browser.ONCE_PER_CI`)."""
+    Unless `once`, the tests that run once per CI run are skipped (`tests/conftest.py`'s `ONCE_PER_CI`)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # test this checkout, via the venv
-    if not browser:
-        env["NITRO_IPY_CI_BROWSER"] = "0"
+    if not once:
+        env["NITRO_IPY_CI_ONCE"] = "0"
     t0 = time.perf_counter()
     proc = subprocess.Popen([str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
     parser.add_argument("--install-only", action="store_true", help="install, do not run the tests")
     parser.add_argument("pytest_args", nargs="*", help="after `--`: passed to pytest")
     args = parser.parse_args(argv)
-    totals, failed_versions, ran_browser = {}, [], False
+    totals, failed_versions, ran_once = {}, [], False
     for version in args.python or VERSIONS:
         exe = find_python(version)
         if exe is None:
@@ -118,9 +119,9 @@ def main(argv=None) -> int:
             continue
         if args.install_only:
             continue
-        # What a browser shows does not depend on the Python minor version: the first Python runs it.
-        result = run_tests(version, py, args.pytest_args, browser=not ran_browser)
-        ran_browser = True
+        # What does not depend on the Python minor version runs on the first Python only.
+        result = run_tests(version, py, args.pytest_args, once=not ran_once)
+        ran_once = True
         if result.pop("rc") != 0:
             failed_versions.append(version)
         for k, v in result.items():
