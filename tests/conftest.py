@@ -20,11 +20,12 @@ from nitro_ipy import _ahead, _reuse
 # `tools/ci_tests.py` sets NITRO_IPY_CI_ONCE=0 on the others. What a browser shows and what an export
 # renders (the kernel code they drive is tested on every Python by test_kernel, test_notebook and
 # test_runs_kernel); meshes, processes and checkpoints (JAX, XLA and orbax, not the interpreter); the
-# Jupyter server's save hook; the pages' code blocks and the digits notebook (whole-product runs of what
-# the per-feature tests check on every Python). The recorder, fingerprints, closures, staleness, the
-# program store and everything else run on each.
+# Jupyter server's save hook; Flax and Equinox models (the libraries' state, rng and trees; their class
+# edits through compile ahead stay in test_ahead); the pages' code blocks and the digits notebook
+# (whole-product runs of what the per-feature tests check on every Python). The recorder, fingerprints,
+# closures, staleness, trace reuse, the program store and everything else run on each.
 ONCE_PER_CI = ("test_browser.py", "test_export.py", "test_sharding.py", "test_checkpoint.py", "test_savehook.py",
-               "test_docs.py", "test_digits_notebook.py")
+               "test_models.py", "test_docs.py", "test_digits_notebook.py")
 
 
 def pytest_collection_modifyitems(config, items):
