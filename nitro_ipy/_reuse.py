@@ -44,8 +44,8 @@ from . import _cache, _closure, _memo
 ENV = "NITRO_IPY_TRACE_REUSE"
 _enabled = os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 _forwards = _memo.Memo("reuse.forwards", 32)  # forward_key -> a warmed, checked `Forward`
-# What trace reuse did in this process: `warmed` Forwards made beside a compile, `reused` programs that
-# traced through one, `discarded` ones found stale, `retraced` calls JAX had no trace for any more.
+# What trace reuse did in this process: `warmed` Forwards made in idle time, `reused` programs that traced
+# through one, `discarded` ones found stale, `retraced` calls JAX had no trace for any more.
 stats = {"warmed": 0, "reused": 0, "discarded": 0, "retraced": 0}
 
 
