@@ -53,11 +53,26 @@ def call_loss(model, loss, view, outputs, targets: dict, train: bool):
     return check_loss(loss(view, outputs, **targets, **extra))
 
 
+def make_training_forward(view_of, forward, model, owner: str = ""):
+    """The forward as the gradient program calls it: `(dev, params, trainable, inputs, state, key, view=None)
+    -> (outputs, new state)`, the trainable leaves put back into `params` (a `_reuse.Forward` calls it
+    without `view`, which it then makes from `dev`)."""
+    split = model.split
+
+    def forward_of(dev, params, trainable, inputs, state, key, view=None):
+        full = split.combine(split.with_trainable(params, trainable))
+        view = view_of(dev) if view is None else view
+        return call_forward(model, owner, forward, view, full, inputs, state, key, True)
+
+    return forward_of
+
+
 def make_gradient(view_of, forward, loss, input_names, target_names, model, accum: int, owner: str = "",
                   reuse=None, warming: bool = False):
     """The gradient program. `reuse`: a `_reuse.Forward` to call the forward through, where its argument
     types fit (always when `warming`: that trace is what makes it fit)."""
     split, layout = model.split, model.layout
+    forward_of = make_training_forward(view_of, forward, model, owner)
 
     def loss_of(trainable, params, state, dev, view, batch, key):
         inputs = {k: batch[k] for k in input_names}
@@ -67,11 +82,6 @@ def make_gradient(view_of, forward, loss, input_names, target_names, model, accu
         else:
             outputs, state = forward_of(*args, view=view)
         return call_loss(model, loss, view, outputs, {k: batch[k] for k in target_names}, True), state
-
-    def forward_of(dev, params, trainable, inputs, state, key, view=None):
-        full = split.combine(split.with_trainable(params, trainable))
-        view = view_of(dev) if view is None else view
-        return call_forward(model, owner, forward, view, full, inputs, state, key, True)
 
     def gradient(params, state, dev, batch, step_rng):
         view = view_of(dev)
@@ -101,7 +111,6 @@ def make_gradient(view_of, forward, loss, input_names, target_names, model, accu
             grads = jax.tree.map(lambda g: g / accum, grads)
         return layout.ravel(grads), value, state
 
-    gradient.forward_of = forward_of
     return gradient
 
 
@@ -198,8 +207,7 @@ def _build_grad(b, model, accum, hook, *, inputs, targets):
     gradient = make_gradient(b.view, b.forward, b.loss, inputs, targets, model, accum, owner, reuse=found)
     if found is None and key is not None and not _reuse.pending(key):
         # What the warmed forward keeps (past this handle) holds no binding: its splits hold the data.
-        light = make_gradient(b.viewer, b.forward, b.loss, inputs, targets, model, accum, owner)
-        forward = _reuse.Forward(light.forward_of, b.forward)
+        forward = _reuse.Forward(make_training_forward(b.viewer, b.forward, model, owner), b.forward)
         program = make_gradient(b.view, b.forward, b.loss, inputs, targets, model, accum, owner, reuse=forward,
                                 warming=True)
         gradient.warm = lambda args: _reuse.schedule(key, forward, program, args)
