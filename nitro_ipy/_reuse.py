@@ -30,6 +30,7 @@ The warming trace runs the user's `forward` and `loss` once more. Whatever they 
 dropped there (`_quiet`), so a `print` in a hook still prints once per compile.
 """
 
+import atexit
 import collections
 import contextlib
 import os
@@ -172,13 +173,14 @@ _cv = threading.Condition()
 _due: collections.OrderedDict = collections.OrderedDict()  # key -> (Forward, program, abstract args)
 _running: list = []  # the key being warmed, while one is
 _thread: list = []
+_exiting: list = []  # non-empty once the interpreter exits: nothing more is queued
 
 
 def schedule(key, forward: Forward, program, args) -> None:
     """Queue the warming of `forward` for `key` (once per key), to run when the process is idle. The
     arguments are kept as shapes only."""
     with _cv:
-        if key in _due or key in _running:
+        if key in _due or key in _running or _exiting:
             return
         _due[key] = (forward, program, _cache.shapes_of(args))
         if not (_thread and _thread[0].is_alive()):
@@ -205,6 +207,18 @@ def _clear() -> None:
 
 
 _memo.register(_clear)  # `cache_reset()` drops what is due (it holds the user's functions)
+
+EXIT_WAIT_S = 30.0  # at most this long at exit for a warming trace under way
+
+
+@atexit.register
+def _at_exit() -> None:
+    # The warming thread is a daemon; stopped inside a trace while the interpreter shuts down, it can
+    # crash the process (a segfault after bench_ahead's last line). Drop what is due, let a running
+    # warming end (a trace: well under a second on the benchmarks' models).
+    _exiting.append(True)
+    _clear()
+    wait(EXIT_WAIT_S)
 
 
 @contextlib.contextmanager

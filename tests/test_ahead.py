@@ -487,3 +487,66 @@ def test_bump_world_ahead_in_a_script(capsys):
         assert _stats() == (5, 3)
     finally:
         del sys.modules[mod.__name__]
+
+
+EXIT_SCRIPT = '''
+import dataclasses, os, sys, threading, time
+import jax, jax.numpy as jnp, numpy as np, optax
+import nitro_ipy
+from nitro_ipy import _ahead, _reuse, Device, GraphConst, Nitro
+
+WORKER, MARK = sys.argv[1], sys.argv[2]  # the thread whose trace the interpreter's exit meets
+
+def helper(r):
+    return r ** 2
+
+@dataclasses.dataclass
+class Slow:
+    hidden: GraphConst[int] = 8
+    lr: Device[float] = 1e-2
+
+    def init(self, rng):
+        return {"w": jax.random.normal(rng, (4, self.hidden)), "v": jnp.ones(self.hidden)}
+
+    def forward(self, params, *, x):
+        if threading.current_thread().name.startswith(WORKER):
+            time.sleep(1.0)
+            with open(MARK, "a") as f:
+                f.write("trace finished\\n")
+        return jnp.tanh(x @ params["w"]) @ params["v"]
+
+    def loss(self, outputs, *, y):
+        return jnp.mean(helper(outputs - y))
+
+x = np.ones((64, 4), np.float32)
+n = Nitro(Slow(), data={"train": {"x": x, "y": x.sum(1)}}, batch_size=16, max_epochs=1, progress=False)
+n.train()
+if WORKER == "nitro_ipy-ahead":
+    _reuse.set_trace_reuse(False)
+    def helper(r):
+        return abs(r)
+    nitro_ipy.bump_world(ahead=True)
+    busy = lambda: bool(_ahead._busy)
+else:
+    busy = lambda: bool(_reuse._running)
+t0 = time.monotonic()
+while not busy() and time.monotonic() - t0 < 30:
+    time.sleep(0.01)
+print("busy at exit:", busy(), flush=True)
+'''
+
+
+@pytest.mark.parametrize("worker", ["nitro_ipy-ahead", "nitro_ipy-warm"])
+def test_the_interpreter_s_exit_waits_for_a_background_trace(tmp_path, worker):
+    # A daemon thread stopped inside a trace or an XLA compile at exit can crash the process (a segfault
+    # at the end of a benchmark). The exit drops what is queued and lets the one under way end first.
+    import os
+    import subprocess
+
+    mark = tmp_path / "mark"
+    env = {**os.environ, "NITRO_IPY_AHEAD": "1", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, worker, str(mark)], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "busy at exit: True"
+    assert mark.read_text() == "trace finished\n"
