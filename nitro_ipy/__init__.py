@@ -33,6 +33,7 @@ from ._handle import predict as predict
 from ._handle import train as train
 from ._handle import validate as validate
 from ._hooks import metrics as metrics
+from ._reuse import set_trace_reuse as set_trace_reuse
 from ._store import cache_dir as cache_dir
 from ._store import set_cache_dir as set_cache_dir
 from ._runs import History as History
@@ -76,6 +77,7 @@ __all__ = [
     "predict",
     "set_cache_dir",
     "set_compile_ahead",
+    "set_trace_reuse",
     "train",
     "validate",
     "world",

@@ -133,7 +133,7 @@ def _scenario(ip, *edits):
 def _plainly(ip, *edits):
     """The same scenario from scratch with trace reuse off: every gradient program traced plainly."""
     nitro_ipy.cache_reset()
-    previous = _reuse.set_trace_reuse(False)
+    previous = nitro_ipy.set_trace_reuse(False)
     try:
         _run(ip, HELPERS)
         _run(ip, _cell(BASE_LOSS))
@@ -141,7 +141,7 @@ def _plainly(ip, *edits):
         assert _reuse.wait(60)
         return _scenario(ip, *edits)
     finally:
-        _reuse.set_trace_reuse(previous)
+        nitro_ipy.set_trace_reuse(previous)
 
 
 def _same(a, b) -> None:
