@@ -2,6 +2,8 @@
 background after the edit's cell, the rebuilt handle is served them, a second edit discards them, an
 error surfaces at the rebuild, and `%nitro_ahead off` restores compiling on demand."""
 
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -489,37 +491,17 @@ def test_bump_world_ahead_in_a_script(capsys):
         del sys.modules[mod.__name__]
 
 
-EXIT_SCRIPT = '''
-import dataclasses, os, sys, threading, time
-import jax, jax.numpy as jnp, numpy as np, optax
-import nitro_ipy
-from nitro_ipy import _ahead, _reuse, Device, GraphConst, Nitro
-
+# The tiny experiment, its forward sleeping inside the trace that `WORKER` runs; exits once it does.
+FORWARD = "    def forward(self, params, *, x):\n"
+assert TINY_EXPERIMENT.count(FORWARD) == 1
+EXIT_SCRIPT = "import sys, threading, time\n" + TINY_EXPERIMENT.replace(FORWARD, FORWARD + (
+    "        if threading.current_thread().name.startswith(WORKER):\n"
+    "            time.sleep(1.0)\n"
+    "            open(MARK, 'a').write('trace finished\\n')\n"
+)) + '''
+from nitro_ipy import _ahead, _reuse
 WORKER, MARK = sys.argv[1], sys.argv[2]  # the thread whose trace the interpreter's exit meets
-
-def helper(r):
-    return r ** 2
-
-@dataclasses.dataclass
-class Slow:
-    hidden: GraphConst[int] = 8
-    lr: Device[float] = 1e-2
-
-    def init(self, rng):
-        return {"w": jax.random.normal(rng, (4, self.hidden)), "v": jnp.ones(self.hidden)}
-
-    def forward(self, params, *, x):
-        if threading.current_thread().name.startswith(WORKER):
-            time.sleep(1.0)
-            with open(MARK, "a") as f:
-                f.write("trace finished\\n")
-        return jnp.tanh(x @ params["w"]) @ params["v"]
-
-    def loss(self, outputs, *, y):
-        return jnp.mean(helper(outputs - y))
-
-x = np.ones((64, 4), np.float32)
-n = Nitro(Slow(), data={"train": {"x": x, "y": x.sum(1)}}, batch_size=16, max_epochs=1, progress=False)
+n = Nitro(Tiny(), data={"train": data["train"]}, batch_size=16, max_epochs=1, progress=False)
 n.train()
 if WORKER == "nitro_ipy-ahead":
     _reuse.set_trace_reuse(False)
@@ -540,9 +522,6 @@ print("busy at exit:", busy(), flush=True)
 def test_the_interpreter_s_exit_waits_for_a_background_trace(tmp_path, worker):
     # A daemon thread stopped inside a trace or an XLA compile at exit can crash the process (a segfault
     # at the end of a benchmark). The exit drops what is queued and lets the one under way end first.
-    import os
-    import subprocess
-
     mark = tmp_path / "mark"
     env = {**os.environ, "NITRO_IPY_AHEAD": "1", "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, worker, str(mark)], capture_output=True, text=True,
