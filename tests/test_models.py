@@ -844,3 +844,73 @@ def test_an_nnx_module_merged_without_copy_gets_the_fix_under_flax_s_error():
     assert info.value.__notes__[-1:] == [  # (JAX's own note on its filtered frames comes first)
         "nitro_ipy: `forward` updates an NNX module under `jax.grad`; rebuild the module inside the hook with "
         "`nnx.merge(graphdef, params, state, copy=True)` (docs/models.md, Flax NNX)."]
+
+
+# ---------------------------------------------------------------- trace reuse on real models
+def _loss_edit(monkeypatch, cls):
+    """Re-define `cls` as re-running its cell with another loss would: the same name, the same forward."""
+    base = cls.loss
+
+    def loss(self, outputs, *, y):
+        return 2.0 * base(self, outputs, y=y) + 0.01 * jnp.mean(outputs ** 2)
+
+    edited = type(cls.__name__, (cls,), {"loss": loss, "__qualname__": cls.__qualname__,
+                                         "__module__": cls.__module__})
+    monkeypatch.setattr(sys.modules[cls.__module__], cls.__name__, edited)
+    nitro_ipy.bump_world()
+
+
+def _trained_after_a_loss_edit(monkeypatch, make, reuse: bool, **options):
+    """Train, edit the loss, rebuild and train: the rebuilt handle, and what trace reuse did meanwhile."""
+    from nitro_ipy import _reuse
+
+    nitro_ipy.cache_reset()
+    previous = nitro_ipy.set_trace_reuse(reuse)
+    try:
+        e, data = make()
+        n = Nitro(e, data=data, batch_size=16, progress=False, **options)
+        n.train()
+        assert _reuse.wait(60)
+        before = dict(_reuse.stats)
+        with monkeypatch.context() as m:
+            _loss_edit(m, type(e))
+            n = n.rebuild()
+            n.train(2)
+        assert _reuse.wait(60)
+        return n, {k: v - before[k] for k, v in _reuse.stats.items()}
+    finally:
+        nitro_ipy.set_trace_reuse(previous)
+
+
+def _eqx_state_experiment():
+    return EqxStateExp(), {"train": _reg(64), "valid": _reg(20, 1)}
+
+
+@pytest.mark.parametrize("options", [{}, {"accum": 2}, {"flat_params": False}], ids=["flat", "accum2", "tree"])
+@pytest.mark.parametrize("make", [
+    lambda: (Digits(), _flax_data()),  # Linen: BatchNorm statistics in the state, a dropout key per step
+    lambda: (EqxExp(), {"train": _reg(), "valid": _reg(20, 1)}),  # a module with static leaves as params
+    _eqx_state_experiment,  # Equinox BatchNorm and Dropout through `eqx.nn.State`
+    _nnx_experiment,  # NNX: a graphdef GraphConst, its state, the step's rng
+], ids=["linen", "equinox", "equinox-state", "nnx"])
+def test_a_loss_edit_reuses_the_forward_s_trace_and_trains_the_same_bits(monkeypatch, make, options):
+    """The rebuilt gradient program traces the loss through the forward's cached trace (state, step keys,
+    micro-batches and static leaves included) and trains exactly what a plain trace of the edit trains."""
+    reused, stats = _trained_after_a_loss_edit(monkeypatch, make, True, **options)
+    assert stats == {"warmed": 0, "reused": 1, "discarded": 0, "retraced": 0}
+    plain, stats = _trained_after_a_loss_edit(monkeypatch, make, False, **options)
+    assert stats == {"warmed": 0, "reused": 0, "discarded": 0, "retraced": 0}
+    assert [h["loss"] for h in reused.history] == [h["loss"] for h in plain.history]
+    assert [h["valid_loss"] for h in reused.history] == [h["valid_loss"] for h in plain.history]
+    assert _bits((reused.params, reused.state)) == _bits((plain.params, plain.state))
+
+
+def _bits(tree) -> list:
+    """Every leaf of `tree` as bytes (a typed PRNG key as its data), or as itself when not an array."""
+    def bits(leaf):
+        if not isinstance(leaf, jax.Array):
+            return leaf
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        return np.asarray(leaf).tobytes()
+    return [bits(leaf) for leaf in jax.tree.leaves(tree)]
