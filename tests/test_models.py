@@ -394,12 +394,17 @@ class _NNXNet(nnx.Module):
         return self.out(self.drop(nnx.relu(self.bn(self.lin(x)))))[:, 0]
 
 
+def _rngs(seed):
+    """The `nnx.Rngs` of an NNX model: a named `dropout` stream, which `nnx.reseed` can find."""
+    return nnx.Rngs(params=seed, dropout=seed)
+
+
 @dataclasses.dataclass
 class NNXExp:
     graphdef: GraphConst[object] = None
 
     def init(self, rng):
-        _, params, state = nnx.split(_NNXNet(4, nnx.Rngs(rng)), nnx.Param, ...)
+        _, params, state = nnx.split(_NNXNet(4, _rngs(rng)), nnx.Param, ...)
         return params, state
 
     def forward(self, params, *, x, state, rng, train):
@@ -414,8 +419,28 @@ class NNXExp:
         return jnp.mean((outputs - y) ** 2)
 
 
+@dataclasses.dataclass
+class _NNXDefaultStream(NNXExp):
+    def init(self, rng):
+        _, params, state = nnx.split(_NNXNet(4, nnx.Rngs(rng)), nnx.Param, ...)
+        return params, state
+
+
+def test_nnx_dropout_draws_from_the_step_s_rng_as_docs_models_says():
+    """`nnx.reseed(model, dropout=rng)` reaches dropout only when `init`'s state has a `dropout` stream;
+    with `nnx.Rngs(rng)` alone it is a silent no-op (Flax 0.12): the step's key never reaches dropout."""
+    x = jnp.asarray(_reg()["x"])
+    graphdef = nnx.split(_NNXNet(4, _rngs(0)), nnx.Param, ...)[0]
+    for cls, reaches in ((NNXExp, True), (_NNXDefaultStream, False)):
+        e = cls(graphdef)
+        params, state = e.init(jax.random.PRNGKey(0))
+        out = lambda k, train: np.asarray(e.forward(params, x=x, state=state, rng=jax.random.PRNGKey(k), train=train)[0])
+        assert (not np.array_equal(out(1, True), out(2, True))) == reaches
+        np.testing.assert_array_equal(out(1, False), out(2, False))  # evaluation: no dropout
+
+
 def test_nnx_graphdef_as_graphconst_trains_batch_stats():
-    graphdef, _, _ = nnx.split(_NNXNet(4, nnx.Rngs(0)), nnx.Param, ...)
+    graphdef, _, _ = nnx.split(_NNXNet(4, _rngs(0)), nnx.Param, ...)
     nitro_ipy.cache_reset()
     n = Nitro(NNXExp(graphdef), data={"train": _reg(), "valid": _reg(20, 1)}, batch_size=16, progress=False)
     mean0 = np.asarray(n.state["bn"]["mean"][...])
@@ -424,10 +449,10 @@ def test_nnx_graphdef_as_graphconst_trains_batch_stats():
     assert not np.allclose(np.asarray(n.state["bn"]["mean"][...]), mean0)
     assert n.validate() == n.validate()
     # the same graphdef rebuilt from scratch fingerprints equal: a fresh handle hits
-    graphdef2, _, _ = nnx.split(_NNXNet(4, nnx.Rngs(1)), nnx.Param, ...)
+    graphdef2, _, _ = nnx.split(_NNXNet(4, _rngs(1)), nnx.Param, ...)
     Nitro(NNXExp(graphdef2), data={"train": _reg(), "valid": _reg(20, 1)}, batch_size=16, progress=False).train()
     assert nitro_ipy.cache_stats().misses == 3
-    graphdef3, _, _ = nnx.split(_NNXNet(8, nnx.Rngs(1)), nnx.Param, ...)
+    graphdef3, _, _ = nnx.split(_NNXNet(8, _rngs(1)), nnx.Param, ...)
     assert nitro_ipy.graphconst_field_hash(NNXExp(graphdef3)) != nitro_ipy.graphconst_field_hash(NNXExp(graphdef))
 
 
@@ -447,7 +472,7 @@ class NNXStreamExp(NNXExp):
 
 
 def test_nnx_rngs_stream_in_the_state_rebuilds_saves_and_resumes(tmp_path):
-    graphdef, _, _ = nnx.split(_NNXNet(4, nnx.Rngs(0)), nnx.Param, ...)
+    graphdef, _, _ = nnx.split(_NNXNet(4, _rngs(0)), nnx.Param, ...)
     data = {"train": _reg(), "valid": _reg(20, 1)}
     nitro_ipy.cache_reset()
     n = Nitro(NNXStreamExp(graphdef), data=data, batch_size=16, progress=False)
@@ -630,7 +655,7 @@ def test_a_checkpoint_carries_the_model_state(tmp_path):
 
 
 def _nnx_experiment():
-    graphdef, _, _ = nnx.split(_NNXNet(4, nnx.Rngs(0)), nnx.Param, ...)
+    graphdef, _, _ = nnx.split(_NNXNet(4, _rngs(0)), nnx.Param, ...)
     return NNXExp(graphdef), {"train": _reg(), "valid": _reg(20, 1)}
 
 
@@ -836,7 +861,7 @@ def test_an_nnx_module_merged_without_copy_gets_the_fix_under_flax_s_error():
             model.train() if train else model.eval()
             return model(x), nnx.state(model, nnx.Not(nnx.Param))
 
-    graphdef, _, _ = nnx.split(_NNXNet(4, nnx.Rngs(0)), nnx.Param, ...)
+    graphdef, _, _ = nnx.split(_NNXNet(4, _rngs(0)), nnx.Param, ...)
     n = Nitro(NoCopy(graphdef), data={"train": _reg()}, batch_size=16, progress=False)
     with pytest.raises(Exception, match="Cannot mutate BatchStat") as info:
         n.train()
