@@ -291,3 +291,50 @@ def test_an_unclicked_rebuild_button_ends_as_html_when_the_next_cell_runs(sessio
     assert _button_retired(messages, button_id, display_id).startswith("not clicked before the next cell ran")
     session.run("%load_ext nitro_ipy")
     session.run("n = n.rebuild()")
+
+
+WARMING_EXPERIMENT = textwrap.dedent(
+    """
+    import dataclasses, sys, threading, time
+    import jax, jax.numpy as jnp, numpy as np
+    from nitro_ipy import GraphConst, Nitro, _reuse
+
+    @dataclasses.dataclass
+    class SlowTrace:
+        hidden: GraphConst[int] = 8
+
+        def init(self, rng):
+            return {"w": jax.random.normal(rng, (4, self.hidden)), "v": jnp.ones(self.hidden)}
+
+        def forward(self, params, *, x):
+            if threading.current_thread().name == "nitro_ipy-warm":
+                time.sleep(0.5)  # the warming trace is still under way while the next cell prints
+            print("forward traced")
+            return jnp.tanh(x @ params["w"]) @ params["v"]
+
+        def loss(self, outputs, *, y):
+            return jnp.mean((outputs - y) ** 2)
+
+    xs = np.ones((64, 4), np.float32)
+    slow = Nitro(SlowTrace(), data={"train": {"x": xs, "y": xs.sum(1)}}, batch_size=16, progress=False)
+    slow.train()
+    stdout0 = sys.stdout
+    """
+)
+PRINTING_CELL = """
+warming_seen = False
+for i in range(20):
+    print("line", i)
+    warming_seen = warming_seen or bool(_reuse._running)
+    time.sleep(0.05)
+"""
+
+
+def test_a_warming_beside_a_cell_drops_only_its_own_prints(kernel):
+    """Trace reuse's warming traces the gradient program again in a thread once training stopped, here
+    while a cell that prints runs: what the forward prints in the warming is dropped, every line of the
+    cell reaches that cell, and `sys.stdout` is the kernel's own stream again afterwards."""
+    assert _stream(kernel.run(WARMING_EXPERIMENT)).count("forward traced") == 1  # the gradient program
+    assert _stream(kernel.run(PRINTING_CELL)) == "".join(f"line {i}\n" for i in range(20))
+    assert kernel.value("[warming_seen, _reuse.wait(60), _reuse.stats['warmed'] >= 1]") == [True, True, True]
+    assert kernel.value("[sys.stdout is stdout0, type(sys.stdout).__name__]") == [True, "OutStream"]
