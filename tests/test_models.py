@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import nitro_ipy
-from nitro_ipy import Device, GraphConst, Nitro
+from nitro_ipy import Device, GraphConst, Nitro, _reuse
 from nitro_ipy._errors import NitroTypeError, NitroValueError
 
 
@@ -887,8 +887,6 @@ def _loss_edit(monkeypatch, cls):
 
 def _trained_after_a_loss_edit(monkeypatch, make, reuse: bool, **options):
     """Train, edit the loss, rebuild and train: the rebuilt handle, and what trace reuse did meanwhile."""
-    from nitro_ipy import _reuse
-
     nitro_ipy.cache_reset()
     previous = nitro_ipy.set_trace_reuse(reuse)
     try:
