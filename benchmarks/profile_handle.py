@@ -5,7 +5,7 @@ stated) so it can be re-measured after a change:
 
     python3 benchmarks/profile_handle.py            # every probe (~4 min on 2 cores)
     python3 benchmarks/profile_handle.py loop dispatch recorder optflags rebuild dots convflags
-    python3 benchmarks/profile_handle.py --quick    # every probe, few repetitions: CI's smoke run
+    python3 benchmarks/profile_handle.py --quick    # every probe, few repetitions, 16 layers: CI's smoke run
     python3 benchmarks/profile_handle.py --json out.json   # also write the measurements as JSON (`-`: stdout)
 
 - `loop`: host-side cost per step of the step loop itself, programs stubbed out (nitro's `_train_epoch`
@@ -58,10 +58,17 @@ OUT: dict = {}
 FULL = dict(loop_steps={"tiny": 2000, "deep": 400}, loop_reps=7, dispatch_inner={"tiny": 300, "deep": 20},
             dispatch_rounds=5, recorder_rounds=7, optflags=None, optflag_rounds=5, rebuild_edits=5,
             dot_widths=(16, 32, 64, 128, 256), dot_batches=(8, 64, 256), dot_rounds=7, conv_rounds=5)
-QUICK = dict(loop_steps={"tiny": 200, "deep": 40}, loop_reps=3, dispatch_inner={"tiny": 30, "deep": 2},
+# The quick run's "deep" MLP has 16 layers, not 120: the same code paths, without paying the 120-layer
+# programs' compiles (4 s for its optimizer program alone) in CI's smoke run.
+QUICK = dict(depth=16, loop_steps={"tiny": 200, "deep": 40}, loop_reps=3, dispatch_inner={"tiny": 30, "deep": 2},
              dispatch_rounds=1, recorder_rounds=1, optflags=("default", "O0"), optflag_rounds=1, rebuild_edits=2,
              dot_widths=(32, 256), dot_batches=(8,), dot_rounds=2, conv_rounds=1)
 CFG = FULL
+
+
+def arrays() -> int:
+    """The deep MLP's parameter arrays: a weight and a bias per layer, and the output layer's two."""
+    return 2 * DEEP["depth"] + 2
 
 
 def best(fn, reps: int, inner: int, sync=lambda: None) -> dict:
@@ -191,7 +198,7 @@ def probe_dispatch(cells):
 
 
 def probe_recorder(cells):
-    log("recorder: first call (trace+lower, then XLA) of the grad program at 242 arrays, per way of recording")
+    log(f"recorder: first call (trace+lower, then XLA) of the grad program at {arrays()} arrays, per way of recording")
     from nitro_ipy import _closure
 
     nitro_ipy.cache_reset()
@@ -253,7 +260,7 @@ OPT_FLAGS = {
 
 
 def probe_optflags(cells):
-    log("optflags: optimizer program at 242 arrays: XLA compile seconds and run time per call")
+    log(f"optflags: optimizer program at {arrays()} arrays: XLA compile seconds and run time per call")
     nitro_ipy.cache_reset()
     n, _, ent = handle_for(cells, DEEP, 8, name="Flags")
     layout, dev = n._layout, n._dev
@@ -315,7 +322,7 @@ def probe_optflags(cells):
 
 
 def probe_rebuild(cells):
-    log("rebuild: n.rebuild() after a class edit, and copying the carried state (242 + 3 arrays)")
+    log(f"rebuild: n.rebuild() after a class edit, and copying the carried state ({arrays()} + 3 arrays)")
     nitro_ipy.cache_reset()
     n, _, _ = handle_for(cells, DEEP, 8, name="Reb")
     times = []
@@ -522,6 +529,7 @@ def main(argv=None) -> int:
                         extra=lambda p: p.add_argument("probes", nargs="*", type=probe, metavar="PROBE",
                                                        help=f"any of {', '.join(PROBES)} (default: all)"))
     CFG = QUICK if H.quick() else FULL
+    DEEP["depth"] = CFG.get("depth", DEEP["depth"])
     _report.set_sink(lambda m: None)  # compile lines would interleave with the tables
     cells = M.Cells()
     log(f"nitro_ipy handle profile: {H.env_line(f'closure recording: {CLOSURE}')}")
