@@ -4,7 +4,7 @@ Each probe isolates one cost with a micro-benchmark (best-of-N and median, on th
 stated) so it can be re-measured after a change:
 
     python3 benchmarks/profile_handle.py            # every probe (~4 min on 2 cores)
-    python3 benchmarks/profile_handle.py loop dispatch recorder optflags rebuild dots convflags
+    python3 benchmarks/profile_handle.py loop dispatch recorder optflags rebuild dots convflags levels
     python3 benchmarks/profile_handle.py --quick    # every probe, few repetitions, 16 layers: CI's smoke run
     python3 benchmarks/profile_handle.py --json out.json   # also write the measurements as JSON (`-`: stdout)
 
@@ -25,6 +25,8 @@ stated) so it can be re-measured after a change:
 - `convflags`: compile CPU time and run time of the gradient programs of two small Flax CNNs and of an
   8-layer MLP, with XLA:CPU's fusion emitters (the default) and with the classic ones: the data behind
   `_compile.CONVOLUTION_OPTIONS`.
+- `levels`: compile time and run time of gradient programs over a grid of models (MLPs, attention, a CNN)
+  at XLA's backend optimization level 3 and 2: the data behind `_compile.LEVEL`.
 """
 
 import argparse
@@ -57,12 +59,14 @@ OUT: dict = {}
 # grid, so its figures are indicative only.
 FULL = dict(loop_steps={"tiny": 2000, "deep": 400}, loop_reps=7, dispatch_inner={"tiny": 300, "deep": 20},
             dispatch_rounds=5, recorder_rounds=7, optflags=None, optflag_rounds=5, rebuild_edits=5,
-            dot_widths=(16, 32, 64, 128, 256), dot_batches=(8, 64, 256), dot_rounds=7, conv_rounds=5)
+            dot_widths=(16, 32, 64, 128, 256), dot_batches=(8, 64, 256), dot_rounds=7, conv_rounds=5,
+            level_rounds=7)
 # The quick run's "deep" MLP has 16 layers, not 120: the same code paths, without paying the 120-layer
 # programs' compiles (4 s for its optimizer program alone) in CI's smoke run.
 QUICK = dict(depth=16, loop_steps={"tiny": 200, "deep": 40}, loop_reps=3, dispatch_inner={"tiny": 30, "deep": 2},
              dispatch_rounds=1, recorder_rounds=1, optflags=("default", "O0"), optflag_rounds=1, rebuild_edits=2,
-             dot_widths=(32, 256), dot_batches=(8,), dot_rounds=2, conv_rounds=1)
+             dot_widths=(32, 256), dot_batches=(8,), dot_rounds=2, conv_rounds=1,
+             level_rounds=1)
 CFG = FULL
 
 
@@ -512,9 +516,90 @@ def probe_convflags(cells):
     OUT["convflags"] = out
 
 
+def probe_levels(cells):
+    """Behind `_compile.LEVEL`: gradient programs over a grid of models (MLPs narrow and wide, shallow and
+    120 deep, a small attention block, a CNN), each compiled with nitro's option policy at XLA's backend
+    optimization level 3 (its default) and 2. Compile wall time, median over rounds (a distinct dump limit
+    per compile keeps JAX's in-memory cache from answering), and run time as the median over interleaved
+    pairs of level 2 / level 3."""
+    import flax.linen as nn
+
+    class TwoConv(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Conv(8, (3, 3))(nn.relu(nn.Conv(8, (3, 3))(x))))
+            return nn.Dense(10)(x.reshape((x.shape[0], -1)))
+
+    def mlp(in_dim, width, depth, batch):
+        args = (M.init_mlp(jax.random.PRNGKey(0), in_dim, width, depth), jnp.ones((batch, in_dim)),
+                jnp.zeros((batch,)))
+        return (lambda p, x, y: jnp.mean((M.mlp_forward(p, x) - y) ** 2)), args
+
+    def cnn():
+        module, x = TwoConv(), jnp.ones((64, 8, 8, 1), jnp.float32)
+        v = module.init(jax.random.PRNGKey(0), x)
+        loss = lambda v, x, y: optax.softmax_cross_entropy_with_integer_labels(module.apply(v, x), y).mean()
+        return loss, (v, x, jnp.zeros((64,), jnp.int32))
+
+    def attention(d=32, t=16, b=16, blocks=2):
+        key = jax.random.PRNGKey(1)
+        init = lambda i, shape: jax.random.normal(jax.random.fold_in(key, i), shape) * 0.1
+        ps = [{"qkv": init(5 * i, (d, 3 * d)), "o": init(5 * i + 1, (d, d)), "g": jnp.ones(d),
+               "up": init(5 * i + 2, (d, 4 * d)), "down": init(5 * i + 3, (4 * d, d))} for i in range(blocks)]
+
+        def norm(x, g):
+            m = x.mean(-1, keepdims=True)
+            return g * (x - m) * jax.lax.rsqrt(((x - m) ** 2).mean(-1, keepdims=True) + 1e-5)
+
+        def loss(ps, x, y):
+            for p in ps:
+                q, k, v = jnp.split(norm(x, p["g"]) @ p["qkv"], 3, -1)
+                x = x + (jax.nn.softmax(q @ k.swapaxes(-1, -2) / d ** 0.5, -1) @ v) @ p["o"]
+                x = x + jax.nn.gelu(norm(x, p["g"]) @ p["up"]) @ p["down"]
+            return optax.softmax_cross_entropy_with_integer_labels(x[:, -1, :], y).mean()
+
+        return loss, (ps, jnp.ones((b, t, d)), jnp.zeros((b,), jnp.int32))
+
+    cases = {"1-layer MLP, 32 wide, batch 32": mlp(8, 32, 1, 32), "8-layer MLP, 32 wide": mlp(16, 32, 8, 64),
+             f"{DEEP['depth']}-layer MLP, 32 wide": mlp(16, 32, DEEP["depth"], 64),
+             "4-layer MLP, 256 wide": mlp(64, 256, 4, 64), "attention, 2 blocks": attention(),
+             "two-conv CNN": cnn()}
+    log("levels: gradient programs under nitro's option policy, XLA backend optimization level 3 vs 2")
+    out = {}
+    stamp = iter(range(10**6))
+    for case, (loss, args) in cases.items():
+        fn = jax.value_and_grad(loss)
+        lowered = jax.jit(fn).lower(*args)
+        policy = _compile.program_options(jax.make_jaxpr(fn)(*args).jaxpr)
+        policy.pop(_compile.OPTIMIZATION_LEVEL_OPTION, None)
+        opts = lambda level: {**policy, _compile.OPTIMIZATION_LEVEL_OPTION: level,  # noqa: E731
+                              "xla_dump_max_hlo_modules": 10**6 + next(stamp)}
+        compile_s, progs = {3: [], 2: []}, {}
+        for _ in range(CFG["level_rounds"]):
+            for level in compile_s:
+                t0 = time.perf_counter()
+                progs[level] = lowered.compile(compiler_options=opts(level))
+                compile_s[level].append(time.perf_counter() - t0)
+        inner = max(2, CFG["dispatch_inner"]["deep"]) if "120" in case else CFG["dispatch_inner"]["tiny"]
+        runs = {3: [], 2: []}
+        for r in range(CFG["level_rounds"] * 2):
+            for level in ((3, 2) if r % 2 else (2, 3)):
+                c = progs[level]
+                runs[level].append(best(lambda: jax.block_until_ready(c(*args)), 1, inner)["best_us"])
+        pairs = [b / a for a, b in zip(runs[3], runs[2])]
+        row = {"compile_s": {lv: statistics.median(v) for lv, v in compile_s.items()},
+               "run_us": {lv: statistics.median(v) for lv, v in runs.items()},
+               "run_ratio": statistics.median(pairs), "run_ratio_range": (min(pairs), max(pairs))}
+        out[case] = row
+        log(f"   {case:<32} compile {row['compile_s'][3]:.3f} -> {row['compile_s'][2]:.3f} s "
+            f"({row['compile_s'][2] / row['compile_s'][3]:.2f}x); run {row['run_us'][3]:8.1f} -> "
+            f"{row['run_us'][2]:8.1f} us (pairs {row['run_ratio']:.2f}x, {min(pairs):.2f}-{max(pairs):.2f})")
+    OUT["levels"] = out
+
+
 PROBES = {"loop": probe_loop, "dispatch": probe_dispatch, "recorder": probe_recorder,
           "optflags": probe_optflags, "rebuild": probe_rebuild, "dots": probe_dots,
-          "convflags": probe_convflags, "guard": probe_guard}
+          "convflags": probe_convflags, "guard": probe_guard, "levels": probe_levels}
 
 
 def main(argv=None) -> int:
