@@ -288,7 +288,8 @@ def test_compile_leaves_out_only_the_options_this_xla_does_not_know():
 
 # ---------------------------------------------------------------- compiler options per program
 
-NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
+LEVEL_2 = {"xla_backend_optimization_level": 2}
+NO_YNN = {**LEVEL_2, "xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 def _jaxpr(fn, *shapes):
@@ -302,21 +303,21 @@ def test_a_program_whose_multiplies_are_all_narrow_compiles_without_ynnpack():
     assert _compile.program_options(narrow, {"xla_backend_optimization_level": 1}) == {
         **NO_YNN, "xla_backend_optimization_level": 1}
     mine = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
-    assert _compile.program_options(narrow, mine) == mine  # options given explicitly win
+    assert _compile.program_options(narrow, mine) == {**LEVEL_2, **mine}  # options given explicitly win
 
 
 def test_one_wide_multiply_anywhere_keeps_ynnpack():
     wide = lambda x, w: x @ w  # [8, 128] x [128, 128]: rows 8, columns 128, contracted 128
-    assert _compile.program_options(_jaxpr(wide, (8, 128), (128, 128))) == {}
+    assert _compile.program_options(_jaxpr(wide, (8, 128), (128, 128))) == LEVEL_2
     assert _compile.program_options(_jaxpr(wide, (8, 128), (128, 64))) == NO_YNN  # only 128 is above 64
 
     def nested(w):  # the wide multiply sits in a jit inside a scan inside a grad
         body = lambda c, _: (c + jax.jit(wide)(jnp.ones((8, 128)), w).sum(), None)
         return jax.lax.scan(body, 0.0, None, length=2)[0]
 
-    assert _compile.program_options(_jaxpr(jax.grad(nested), (128, 128))) == {}
+    assert _compile.program_options(_jaxpr(jax.grad(nested), (128, 128))) == LEVEL_2
     assert _compile.program_options(_jaxpr(jax.grad(nested), (128, 32))) == NO_YNN
-    assert _compile.program_options(_jaxpr(lambda x: jnp.tanh(x) * 2.0, (256, 256))) == {}  # no multiply
+    assert _compile.program_options(_jaxpr(lambda x: jnp.tanh(x) * 2.0, (256, 256))) == LEVEL_2  # no multiply
 
 
 def test_a_program_with_a_convolution_compiles_with_the_classic_emitters_and_keeps_ynnpack():
