@@ -453,11 +453,15 @@ def probe_guard(cells):
 
 
 
-def probe_convflags(cells):
-    """Behind `_compile.CONVOLUTION_OPTIONS`: the gradient program (forward, loss, backward) of a Conv +
-    BatchNorm CNN, of a two-Conv CNN and of an 8-layer MLP, each compiled with the fusion emitters and
-    with the classic ones; the process's CPU time of the XLA compile (steadier than wall time on a busy
-    machine) and the run time after it, medians of interleaved rounds."""
+def mlp_loss(in_dim: int, width: int, depth: int, batch: int):
+    """`(loss, args)`: the mean squared error of a `depth`-layer MLP, and its params and a batch."""
+    args = (M.init_mlp(jax.random.PRNGKey(0), in_dim, width, depth), jnp.ones((batch, in_dim)), jnp.zeros((batch,)))
+    return (lambda p, x, y: jnp.mean((M.mlp_forward(p, x) - y) ** 2)), args
+
+
+def flax_cnns() -> dict:
+    """`{name: (loss, args)}`: a Conv + BatchNorm CNN and a two-Conv CNN (Flax), cross-entropy on a batch of
+    64 8x8 images, differentiated in their params."""
     import flax.linen as nn
 
     class BN(nn.Module):
@@ -482,9 +486,15 @@ def probe_convflags(cells):
 
         return loss, (v["params"], x, y)
 
-    mlp_args = (M.init_mlp(jax.random.PRNGKey(0), 16, 32, 8), jnp.ones((64, 16)), jnp.zeros((64,)))
-    cases = {"conv + batchnorm CNN": cnn(BN()), "two-conv CNN": cnn(TwoConv()),
-             "8-layer MLP (32 wide)": (lambda p, x, y: jnp.mean((M.mlp_forward(p, x) - y) ** 2), mlp_args)}
+    return {"conv + batchnorm CNN": cnn(BN()), "two-conv CNN": cnn(TwoConv())}
+
+
+def probe_convflags(cells):
+    """Behind `_compile.CONVOLUTION_OPTIONS`: the gradient program (forward, loss, backward) of a Conv +
+    BatchNorm CNN, of a two-Conv CNN and of an 8-layer MLP, each compiled with the fusion emitters and
+    with the classic ones; the process's CPU time of the XLA compile (steadier than wall time on a busy
+    machine) and the run time after it, medians of interleaved rounds."""
+    cases = {**flax_cnns(), "8-layer MLP (32 wide)": mlp_loss(16, 32, 8, 64)}
     flags = {"fusion emitters": {}, "classic emitters": {"xla_cpu_use_fusion_emitters": False},
              "classic O1": {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1},
              "classic cheap LLVM": {"xla_cpu_use_fusion_emitters": False, "xla_llvm_disable_expensive_passes": True},
@@ -522,24 +532,6 @@ def probe_levels(cells):
     optimization level 3 (its default) and 2. Compile wall time, median over rounds (a distinct dump limit
     per compile keeps JAX's in-memory cache from answering), and run time as the median over interleaved
     pairs of level 2 / level 3."""
-    import flax.linen as nn
-
-    class TwoConv(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            x = nn.relu(nn.Conv(8, (3, 3))(nn.relu(nn.Conv(8, (3, 3))(x))))
-            return nn.Dense(10)(x.reshape((x.shape[0], -1)))
-
-    def mlp(in_dim, width, depth, batch):
-        args = (M.init_mlp(jax.random.PRNGKey(0), in_dim, width, depth), jnp.ones((batch, in_dim)),
-                jnp.zeros((batch,)))
-        return (lambda p, x, y: jnp.mean((M.mlp_forward(p, x) - y) ** 2)), args
-
-    def cnn():
-        module, x = TwoConv(), jnp.ones((64, 8, 8, 1), jnp.float32)
-        v = module.init(jax.random.PRNGKey(0), x)
-        loss = lambda v, x, y: optax.softmax_cross_entropy_with_integer_labels(module.apply(v, x), y).mean()
-        return loss, (v, x, jnp.zeros((64,), jnp.int32))
 
     def attention(d=32, t=16, b=16, blocks=2):
         key = jax.random.PRNGKey(1)
@@ -560,10 +552,10 @@ def probe_levels(cells):
 
         return loss, (ps, jnp.ones((b, t, d)), jnp.zeros((b,), jnp.int32))
 
-    cases = {"1-layer MLP, 32 wide, batch 32": mlp(8, 32, 1, 32), "8-layer MLP, 32 wide": mlp(16, 32, 8, 64),
-             f"{DEEP['depth']}-layer MLP, 32 wide": mlp(16, 32, DEEP["depth"], 64),
-             "4-layer MLP, 256 wide": mlp(64, 256, 4, 64), "attention, 2 blocks": attention(),
-             "two-conv CNN": cnn()}
+    deep = f"{DEEP['depth']}-layer MLP, 32 wide"
+    cases = {"1-layer MLP, 32 wide, batch 32": mlp_loss(8, 32, 1, 32), "8-layer MLP, 32 wide": mlp_loss(16, 32, 8, 64),
+             deep: mlp_loss(16, 32, DEEP["depth"], 64), "4-layer MLP, 256 wide": mlp_loss(64, 256, 4, 64),
+             "attention, 2 blocks": attention(), "two-conv CNN": flax_cnns()["two-conv CNN"]}
     log("levels: gradient programs under nitro's option policy, XLA backend optimization level 3 vs 2")
     out = {}
     stamp = iter(range(10**6))
@@ -580,7 +572,7 @@ def probe_levels(cells):
                 t0 = time.perf_counter()
                 progs[level] = lowered.compile(compiler_options=opts(level))
                 compile_s[level].append(time.perf_counter() - t0)
-        inner = max(2, CFG["dispatch_inner"]["deep"]) if "120" in case else CFG["dispatch_inner"]["tiny"]
+        inner = CFG["dispatch_inner"]["deep" if case == deep else "tiny"]
         runs = {3: [], 2: []}
         for r in range(CFG["level_rounds"] * 2):
             for level in ((3, 2) if r % 2 else (2, 3)):
