@@ -76,26 +76,74 @@ def arg_signature(args: tuple, names: tuple = ()) -> tuple:
     `names` label the positional arguments in explanations (`params['w1']` rather than `[0]['w1']`).
     Sharding enters only when it spans several devices (with the devices' ids: `_sharding.sharding_signature`):
     one device is the default placement, whether the leaf arrived as numpy or as a committed array.
+
+    Every epoch's first step keys both programs over every parameter array: the tree's repr and the
+    leaves' labels are worked out once per structure, dtype names and sharding signatures once per value
+    (3 ms -> 0.3 ms at 242 arrays, a tenth of a 48-step epoch's own host time).
     """
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(args)
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    tree, labels = _structure(treedef, names, args)
     sigs = []
-    for path, leaf in leaves:
-        sharding = sharding_signature(getattr(leaf, "sharding", None))
-        label = jax.tree_util.keystr(path[1:])
-        if names and path and isinstance(path[0], jax.tree_util.SequenceKey) and path[0].idx < len(names):
-            label = names[path[0].idx] + label
-        else:
-            label = jax.tree_util.keystr(path)
+    for label, leaf in zip(labels, leaves):
+        dtype = getattr(leaf, "dtype", None)
         sigs.append(
             ArgSig(
                 label,
-                tuple(np.shape(leaf)),
-                str(getattr(leaf, "dtype", None) or np.result_type(leaf)),
+                tuple(leaf.shape) if isinstance(leaf, jax.Array) else tuple(np.shape(leaf)),
+                _dtype_name(dtype if dtype is not None else np.result_type(leaf)),
                 bool(getattr(leaf, "weak_type", False)),
-                sharding,
+                _sharding_of(getattr(leaf, "sharding", None)),
             )
         )
-    return (str(treedef), tuple(sigs))
+    return (tree, tuple(sigs))
+
+
+# Memos for `arg_signature`, bounded: a session sees a handful of argument structures, dtypes and
+# placements; a program whose structure moves every call (a recompile loop) must not grow them forever.
+_MEMO_LIMIT = 512
+_structures: dict = {}
+_dtype_names: dict = {}
+_shardings: dict = {}
+
+
+def _memo_get(memo: dict, key, make):
+    try:
+        value = memo.get(key, _MISSING)
+    except TypeError:  # unhashable (a pytree node's aux data, a custom sharding): worked out each time
+        return make()
+    if value is _MISSING:
+        if len(memo) >= _MEMO_LIMIT:
+            memo.clear()
+        value = memo[key] = make()
+    return value
+
+
+_MISSING = object()
+
+
+def _structure(treedef, names: tuple, args) -> tuple:
+    """`(repr of treedef, label of each leaf)`, the labels named after `names` where they reach."""
+
+    def make():
+        labels = []
+        for path, _ in jax.tree_util.tree_flatten_with_path(args)[0]:
+            if names and path and isinstance(path[0], jax.tree_util.SequenceKey) and path[0].idx < len(names):
+                labels.append(names[path[0].idx] + jax.tree_util.keystr(path[1:]))
+            else:
+                labels.append(jax.tree_util.keystr(path))
+        return str(treedef), tuple(labels)
+
+    return _memo_get(_structures, (treedef, names), make)
+
+
+def _dtype_name(dtype) -> str:
+    return _memo_get(_dtype_names, dtype, lambda: str(dtype))
+
+
+def _sharding_of(sharding):
+    if sharding is None or type(sharding) is jax.sharding.SingleDeviceSharding:
+        return None
+    return _memo_get(_shardings, sharding, lambda: sharding_signature(sharding))
 
 
 @dataclasses.dataclass(eq=False)

@@ -210,6 +210,65 @@ def test_arg_signature_labels_positional_arguments():
     ]
 
 
+def _reference_signature(args, names=()):
+    """`arg_signature` worked out leaf by leaf with nothing remembered: what its memos must agree with."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(args)
+    sigs = []
+    for path, leaf in leaves:
+        if names and path and isinstance(path[0], jax.tree_util.SequenceKey) and path[0].idx < len(names):
+            label = names[path[0].idx] + jax.tree_util.keystr(path[1:])
+        else:
+            label = jax.tree_util.keystr(path)
+        sharding = getattr(leaf, "sharding", None)
+        sharding = None if sharding is None or len(sharding.device_set) == 1 else _cache.sharding_signature(sharding)
+        sigs.append(_cache.ArgSig(label, tuple(np.shape(leaf)), str(getattr(leaf, "dtype", None) or np.result_type(leaf)),
+                                  bool(getattr(leaf, "weak_type", False)), sharding))
+    return (str(treedef), tuple(sigs))
+
+
+class _Unhashable:
+    """A pytree node whose aux data cannot be hashed (a list), as some user containers have."""
+
+    def __init__(self, children, meta):
+        self.children, self.meta = children, meta
+
+
+jax.tree_util.register_pytree_node(_Unhashable, lambda u: (u.children, u.meta), lambda meta, ch: _Unhashable(ch, meta))
+
+
+def _signature_corpus():
+    import equinox as eqx
+    from flax import linen
+
+    mlp = eqx.nn.MLP(3, 2, 4, 2, key=jax.random.PRNGKey(0))
+    flax_params = linen.Dense(3).init(jax.random.PRNGKey(1), jnp.zeros((1, 2)))
+    return [
+        (({"w": np.zeros((2, 3), np.float32)}, {"x": np.zeros(4, np.int32)}), ("params", "batch")),
+        (({"w": jnp.zeros((2, 3))}, {"w": jnp.zeros((3, 2))}), ("params", "batch")),  # same leaf names, other shapes
+        (([jnp.zeros(2), jnp.ones((2, 2), jnp.bfloat16)], None, 1.5, 3, np.float64(2.0)), ("params", "state", "lr")),
+        ((eqx.filter(mlp, eqx.is_array), jnp.zeros((5, 3))), ("model", "x", "more names than arguments")),
+        ((flax_params, {"x": jnp.zeros((4, 2), jnp.float16)}, jax.random.key(0)), ()),
+        ((_Unhashable([jnp.zeros(2), jnp.zeros((), jnp.int32)], ["a", "b"]),), ("params",)),
+        ((jnp.asarray(1.0), jnp.asarray(1.0, jnp.float32)), ("weak", "strong")),
+    ]
+
+
+def test_arg_signature_agrees_with_the_leaf_by_leaf_reference_every_time():
+    # Each case twice (the second answer comes from the memos), and the corpus twice in another order:
+    # a structure seen before under other names, or names under another structure, is not mixed up.
+    corpus = _signature_corpus()
+    for args, names in corpus + corpus[::-1] + corpus:
+        assert _cache.arg_signature(args, names) == _reference_signature(args, names)
+        assert _cache.arg_signature(args) == _reference_signature(args)
+
+
+def test_arg_signature_memos_stay_bounded_under_a_moving_structure():
+    for i in range(3 * _cache._MEMO_LIMIT):  # a structure that moves every call, as in a recompile loop
+        args = ({f"w{i}": np.zeros(2, np.float32)},)
+        assert _cache.arg_signature(args, ("params",))[1][0].path == f"params['w{i}']"
+    assert len(_cache._structures) <= _cache._MEMO_LIMIT
+
+
 def test_explanations_only_compare_the_same_kind_and_owner():
     @dataclasses.dataclass
     class Other(Reg):

@@ -502,3 +502,28 @@ def test_scale_page_runs_on_four_devices(tmp_path):
     """)
     out = json_in_child(code, tmp_path, "0", timeout=CHILD_TIMEOUT)
     assert out == {"ran": 4, "devices": 4}  # the page's asserts ran on 4 devices: w1 in column slices of 4
+
+
+def test_key_signatures_tell_meshes_apart_when_remembered(tmp_path):
+    # `arg_signature` remembers each sharding's signature: two meshes of the same shape over other
+    # devices, and a replicated placement, must still give the signatures worked out afresh.
+    got = in_child(tmp_path, """
+        from jax.sharding import NamedSharding
+        from nitro_ipy import _cache, _sharding
+        devs = jax.devices()
+        meshes = [Mesh(np.array(devs[:2]), ("data",)), Mesh(np.array(devs[2:]), ("data",)),
+                  Mesh(np.array(devs[::-1][:2]), ("data",))]
+        x = np.zeros((4, 2), np.float32)
+        rows = []
+        for _ in range(2):  # the second pass answers from the memo
+            for mesh in meshes:
+                for spec in (P("data"), P()):
+                    a = jax.device_put(x, NamedSharding(mesh, spec))
+                    (sig,) = _cache.arg_signature((a,))[1]
+                    rows.append([sig.sharding, _sharding.sharding_signature(a.sharding)])
+        (one,) = _cache.arg_signature((jax.device_put(x, devs[1]),))[1]
+        print(json.dumps({"rows": rows, "one": one.sharding}))
+    """)
+    assert all(mine == fresh for mine, fresh in got["rows"])
+    assert len({mine for mine, _ in got["rows"]}) == 6  # three meshes x split/replicated
+    assert got["one"] is None
