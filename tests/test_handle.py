@@ -76,6 +76,22 @@ def test_steady_state_steps_are_hits():
     assert nitro_ipy.cache_stats() == (18, 2, 2)
 
 
+def test_each_epoch_asks_the_optimizer_executable_once_whether_it_returns_its_inputs(monkeypatch):
+    # The answer is a property of the executable, worked out at its first epoch and remembered (a
+    # 242-array model paid 3.3 ms at every epoch's first step); a growing state still re-keys every step.
+    from nitro_ipy import _loop
+
+    asked = []
+    work = _loop._returns_its_inputs
+    monkeypatch.setattr(_loop, "_returns_its_inputs", lambda entry: asked.append(entry.kind) or work(entry))
+    n = Nitro(Reg(), data={"train": _data(64)}, batch_size=16, progress=False)
+    n.train(epochs=3)
+    n.rebuild().train(epochs=2)  # the same executable, under another handle
+    assert asked == ["opt"]
+    assert _loop.returns_its_inputs(next(e for e in nitro_ipy._cache.live_entries() if e.kind == "opt"))
+    assert nitro_ipy.cache_stats() == (2 * 4 * 5 - 2, 2, 2)
+
+
 def test_ragged_validation_is_exact_and_padding_invisible():
     valid = _data(70, seed=3)
     n = Nitro(RegHostMetric(), data={"train": _data(64), "valid": valid}, batch_size=16, progress=False)
