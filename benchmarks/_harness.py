@@ -182,6 +182,15 @@ def strip(obj):
     return obj
 
 
+def at_most(label: str, value: float, target: float, digits: int = 2) -> Row:
+    """A row for a ratio whose target is `value <= target`, printed with `digits` decimals, or more where
+    that many would print a miss as the target itself (0.3002x against 0.30x reads "0.3002x ... MISS")."""
+    shown = digits
+    while round(value, shown) == round(target, digits) and value != target and shown < 6:
+        shown += 1
+    return Row(label, f"{value:.{shown}f}x", f"<= {target:.{digits}f}x", value <= target)
+
+
 def finish(res: dict, rows: list[Row] | None = None) -> int:
     """The results table (if any), then the JSON (if asked). Returns the exit code: 0, whatever the
     verdicts (a timing is information; only an exception fails a run)."""

@@ -302,11 +302,9 @@ def rows(res) -> list:
     for label, r, name in (("steady-state epoch, tiny MLP", res["tiny"], "tiny_epoch"),
                            ("steady-state epoch, 120-layer MLP", res["deep"], "deep_epoch"),
                            ("live-edit cycle, class edits", res["edit"], "edit_cycle")):
-        tgt = TARGETS[name]
-        out.append(H.Row(label, f"{r['ratio']:.2f}x", f"<= {tgt:.2f}x", r["ratio"] <= tgt))
-    tgt = TARGETS["issue_epoch"]
-    r = res["issue"]["ratio"]
-    out.append(H.Row("steady-state epoch, 1x32 MLP, batch 64, progress on", f"{r:.2f}x", f"<= {tgt:.2f}x", r <= tgt))
+        out.append(H.at_most(label, r["ratio"], TARGETS[name]))
+    out.append(H.at_most("steady-state epoch, 1x32 MLP, batch 64, progress on", res["issue"]["ratio"],
+                         TARGETS["issue_epoch"]))
     if res["edit"]["ratio_helper"] is not None:
         out.append(H.Row("live-edit cycle, helper-only edits (context)", f"{res['edit']['ratio_helper']:.2f}x"))
     return out
