@@ -3,7 +3,7 @@
 For each interpreter: `pip install -e ".[test]"` into a virtual environment under `.ci/venvs/` (made on
 first use, remade with `--fresh`), then `pytest -q`. The interpreter running this script is used as it is
 (the README's test command has just installed the package into it), so CI pays two fresh installs, not
-three. The tests that do not depend on the Python minor version (browser and export rendering, meshes and
+three, and pays them while the first Python's tests run. The tests that do not depend on the Python minor version (browser and export rendering, meshes and
 processes, checkpoints, the server's save hook, Flax and Equinox models, the pages and the digits
 notebook: `ONCE_PER_CI` in `tests/conftest.py`) run on the first Python only. Fails if any Python's
 suite fails or an install fails; a Python that is not on the machine is skipped with a line saying so
@@ -16,6 +16,7 @@ suite fails or an install fails; a Python that is not on the machine is skipped 
 """
 
 import argparse
+import concurrent.futures
 import os
 import re
 import shutil
@@ -65,8 +66,13 @@ def install(version: str, exe: str, fresh: bool) -> Path:
         subprocess.run([exe, "-m", "venv", str(env_dir)], check=True)
     py = env_dir / "bin" / "python"
     t0 = time.perf_counter()
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-e", f"{ROOT}[test]"],
-                   check=True, cwd=ROOT)
+    # Captured: it may run beside another Python's tests (`main`), whose output it would break up. Shown
+    # whole when it fails.
+    done = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-e",
+                           f"{ROOT}[test]"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode != 0:
+        sys.stdout.write(done.stdout)
+        raise subprocess.CalledProcessError(done.returncode, done.args)
     print(f"[ci] Python {version}: installed in {time.perf_counter() - t0:.0f} s", flush=True)
     return py
 
@@ -105,15 +111,21 @@ def main(argv=None) -> int:
     parser.add_argument("pytest_args", nargs="*", help="after `--`: passed to pytest")
     args = parser.parse_args(argv)
     totals, failed_versions, ran_once = {}, [], False
+    found = {}
     for version in args.python or VERSIONS:
-        exe = find_python(version)
-        if exe is None:
+        found[version] = find_python(version)
+        if found[version] is None:
             print(f"[ci] Python {version}: not found on this machine, skipped", flush=True)
             if args.require_all:
                 failed_versions.append(version)
-            continue
+    # One install at a time, in order, in the background: a later Python's install (mostly downloading
+    # and unpacking, about 110 s each on 2 cores) runs while an earlier Python's tests do.
+    installs = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    pending = {v: installs.submit(install, v, exe, args.fresh) for v, exe in found.items() if exe is not None}
+    installs.shutdown(wait=False)
+    for version, future in pending.items():
         try:
-            py = install(version, exe, args.fresh)
+            py = future.result()
         except subprocess.CalledProcessError as err:
             print(f"[ci] Python {version}: install failed ({err})", flush=True)
             failed_versions.append(version)
