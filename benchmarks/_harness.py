@@ -123,12 +123,12 @@ def cpu_model() -> str:
     costs about 4x as long. The figures say which machine measured them."""
     try:
         with open("/proc/cpuinfo") as f:
-            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+            first = f.read().split("\n\n")[0]  # the first processor's block
     except OSError:  # not Linux
         import platform
 
         return platform.processor() or platform.machine()
-    info = {k.strip(): v.strip() for k, v in info.items()}
+    info = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first.splitlines() if ":" in line)}
     flags = set(info.get("flags", "").split())
     isa = next((x for x in ("avx512f", "avx2", "avx", "sse4_2", "asimd") if x in flags), None)
     name = info.get("model name") or info.get("CPU part") or "unknown CPU"

@@ -3,12 +3,12 @@
 For each interpreter: `pip install -e ".[test]"` into a virtual environment under `.ci/venvs/` (made on
 first use, remade with `--fresh`), then `pytest -q`. The interpreter running this script is used as it is
 (the README's test command has just installed the package into it), so CI pays two fresh installs, not
-three, and pays them while the first Python's tests run. The tests that do not depend on the Python minor version (browser and export rendering, meshes and
-processes, checkpoints, the server's save hook, Flax and Equinox models, the pages and the digits
-notebook: `ONCE_PER_CI` in `tests/conftest.py`) run on the first Python only. Fails if any Python's
-suite fails or an install fails; a Python that is not on the machine is skipped with a line saying so
-(CI wants all three: `--require-all`). The last line is a pytest-style summary over every Python:
-`N passed, N failed, ...`.
+three, and pays them while the first Python's tests run. The tests that do not depend on the Python minor
+version (browser and export rendering, meshes and processes, checkpoints, the server's save hook, Flax and
+Equinox models, the pages and the digits notebook: `ONCE_PER_CI` in `tests/conftest.py`) run on the first
+Python only. Fails if any Python's suite fails or an install fails; a Python that is not on the machine is
+skipped with a line saying so (CI wants all three: `--require-all`). The last line is a pytest-style
+summary over every Python: `N passed, N failed, ...`.
 
     python3 tools/ci_tests.py                 # every Python found
     python3 tools/ci_tests.py --python 3.12   # one of them
