@@ -10,10 +10,19 @@ os.environ["NITRO_IPY_AHEAD"] = "0"
 # store's own tests turn it on in a temporary directory (`tests/test_store.py`).
 os.environ["NITRO_IPY_CACHE_DIR"] = ""
 
+import signal
+
 import pytest
 
 import nitro_ipy
 from nitro_ipy import _ahead, _reuse
+
+
+# Tests press Ctrl-C with real SIGINTs and check the handler the handle puts back: they want what a
+# terminal's or a kernel's Python has. A process a shell starts in the background without job control (a
+# CI lane, `cmd &`) inherits SIGINT ignored, which Python then leaves alone.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # What does not depend on the Python minor version runs once per CI run, on its first Python:
