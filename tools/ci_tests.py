@@ -3,12 +3,19 @@
 For each interpreter: `pip install -e ".[test]"` into a virtual environment under `.ci/venvs/` (made on
 first use, remade with `--fresh`), then `pytest -q`. The interpreter running this script is used as it is
 (the README's test command has just installed the package into it), so CI pays two fresh installs, not
-three, and pays them while the first Python's tests run. The tests that do not depend on the Python minor
-version (browser and export rendering, meshes and processes, checkpoints, the server's save hook, Flax and
-Equinox models, the pages and the digits notebook: `ONCE_PER_CI` in `tests/conftest.py`) run on the first
-Python only. Fails if any Python's suite fails or an install fails; a Python that is not on the machine is
-skipped with a line saying so (CI wants all three: `--require-all`). The last line is a pytest-style
-summary over every Python: `N passed, N failed, ...`.
+three. The tests that do not depend on the Python minor version (browser and export rendering, meshes and
+processes, checkpoints, the server's save hook, Flax and Equinox models, the pages and the digits
+notebook: `ONCE_PER_CI` in `tests/conftest.py`) run on the first Python only.
+
+On a machine with 2 cores or more, two lanes run side by side (`--serial`: one Python after the other):
+the first Python's tests, their output shown as it comes; and the later Pythons' tests, one after the
+other, each one's output shown whole when it ends. A pytest run keeps about 1.1-1.7 cores busy (tracing
+is one Python thread), so the two lanes share 2 cores with little loss. The installs run one at a time
+(each writes this checkout's egg-info) in the background, from the start.
+
+Fails if any Python's suite fails or an install fails; a Python that is not on the machine is skipped
+with a line saying so (CI wants all three: `--require-all`). The last line is a pytest-style summary over
+every Python: `N passed, N failed, ...`.
 
     python3 tools/ci_tests.py                 # every Python found
     python3 tools/ci_tests.py --python 3.12   # one of them
@@ -22,12 +29,21 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VERSIONS = ("3.11", "3.12", "3.13")
+_SAY = threading.Lock()
 _COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)")
+
+
+def say(text: str) -> None:
+    """Write whole lines, never broken up by the other lane's."""
+    with _SAY:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        sys.stdout.flush()
 
 
 def find_python(version: str) -> str | None:
@@ -66,29 +82,35 @@ def install(version: str, exe: str, fresh: bool) -> Path:
         subprocess.run([exe, "-m", "venv", str(env_dir)], check=True)
     py = env_dir / "bin" / "python"
     t0 = time.perf_counter()
-    # Captured: it may run beside another Python's tests (`main`), whose output it would break up. Shown
-    # whole when it fails.
+    # Captured: it runs beside the other lane's tests, whose output it would break up. Shown whole when it
+    # fails.
     done = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-e",
                            f"{ROOT}[test]"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode != 0:
-        sys.stdout.write(done.stdout)
+        say(done.stdout)
         raise subprocess.CalledProcessError(done.returncode, done.args)
-    print(f"[ci] Python {version}: installed in {time.perf_counter() - t0:.0f} s", flush=True)
+    say(f"[ci] Python {version}: installed in {time.perf_counter() - t0:.0f} s")
     return py
 
 
-def run_tests(version: str, py: Path, pytest_args: list, once: bool = True) -> dict:
+def run_tests(version: str, py: Path, pytest_args: list, once: bool = True, live: bool = True) -> dict:
     """Run pytest with `py`; returns the counts of its summary line (`{"passed": N, ...}`) and `rc`.
-    Unless `once`, the tests that run once per CI run are skipped (`tests/conftest.py`'s `ONCE_PER_CI`)."""
+    Unless `once`, the tests that run once per CI run are skipped (`tests/conftest.py`'s `ONCE_PER_CI`).
+    Its output is shown as it comes when `live`, else whole at its end."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # test this checkout, via the venv
     if not once:
         env["NITRO_IPY_CI_ONCE"] = "0"
     t0 = time.perf_counter()
+    if not live:
+        say(f"[ci] Python {version}: tests started; their output comes whole when they end")
     proc = subprocess.Popen([str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    last = ""
+    last, kept = "", []
     for line in proc.stdout:
-        sys.stdout.write(line)
+        if live:
+            say(line)
+        else:
+            kept.append(line)
         if _COUNT.search(line):
             last = line
     rc = proc.wait()
@@ -97,9 +119,27 @@ def run_tests(version: str, py: Path, pytest_args: list, once: bool = True) -> d
         word = {"error": "errors", "warning": "warnings"}.get(word, word)
         counts[word] = counts.get(word, 0) + int(n)
     shown = last.strip(" =\n") or "no summary"
-    print(f"[ci] Python {version}: {shown} (rc {rc}, "
-          f"{time.perf_counter() - t0:.0f} s)", flush=True)
+    if kept:
+        say(f"[ci] ---- Python {version}'s pytest output ----\n" + "".join(kept) + f"[ci] ---- end of Python {version} ----")
+    say(f"[ci] Python {version}: {shown} (rc {rc}, {time.perf_counter() - t0:.0f} s)")
     return {"rc": rc, **counts}
+
+
+def lane(installs: dict, args, first: bool, live: bool) -> list:
+    """Test each Python of `installs` (version -> the future of its install) in turn, once installed; the
+    first Python's lane (`first`) runs the once-per-CI tests on its first version. Returns (version,
+    result) pairs, a result being None when the install failed."""
+    out = []
+    for i, (version, installed) in enumerate(installs.items()):
+        try:
+            py = installed.result()
+        except subprocess.CalledProcessError as err:
+            say(f"[ci] Python {version}: install failed ({err})")
+            out.append((version, None))
+            continue
+        if not args.install_only:
+            out.append((version, run_tests(version, py, args.pytest_args, once=first and i == 0, live=live)))
+    return out
 
 
 def main(argv=None) -> int:
@@ -108,43 +148,41 @@ def main(argv=None) -> int:
     parser.add_argument("--fresh", action="store_true", help="recreate each virtual environment")
     parser.add_argument("--require-all", action="store_true", help="fail when a version is not found")
     parser.add_argument("--install-only", action="store_true", help="install, do not run the tests")
+    parser.add_argument("--serial", action="store_true", help="one Python after the other, not two lanes")
     parser.add_argument("pytest_args", nargs="*", help="after `--`: passed to pytest")
     args = parser.parse_args(argv)
-    totals, failed_versions, ran_once = {}, [], False
-    found = {}
+    failed_versions, found = [], {}
     for version in args.python or VERSIONS:
-        found[version] = find_python(version)
-        if found[version] is None:
-            print(f"[ci] Python {version}: not found on this machine, skipped", flush=True)
-            if args.require_all:
-                failed_versions.append(version)
-    # One install at a time, in order, in the background: a later Python's install (mostly downloading
-    # and unpacking, about 110 s each on 2 cores) runs while an earlier Python's tests do.
-    installs = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    pending = {v: installs.submit(install, v, exe, args.fresh) for v, exe in found.items() if exe is not None}
-    installs.shutdown(wait=False)
-    for version, future in pending.items():
-        try:
-            py = future.result()
-        except subprocess.CalledProcessError as err:
-            print(f"[ci] Python {version}: install failed ({err})", flush=True)
-            failed_versions.append(version)
+        exe = find_python(version)
+        if exe is not None:
+            found[version] = exe
             continue
-        if args.install_only:
-            continue
-        # What does not depend on the Python minor version runs on the first Python only.
-        result = run_tests(version, py, args.pytest_args, once=not ran_once)
-        ran_once = True
-        if result.pop("rc") != 0:
+        say(f"[ci] Python {version}: not found on this machine, skipped")
+        if args.require_all:
             failed_versions.append(version)
-        for k, v in result.items():
+    # One install at a time, in order, in the background (each writes this checkout's egg-info).
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as installer:
+        installs = {v: installer.submit(install, v, exe, args.fresh) for v, exe in found.items()}
+        head, rest = dict(list(installs.items())[:1]), dict(list(installs.items())[1:])
+        if args.serial or (os.cpu_count() or 1) < 2 or not rest:
+            results = lane({**head, **rest}, args, first=True, live=True)
+        else:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=1) as later_lane:
+                later = later_lane.submit(lane, rest, args, False, False)
+                results = lane(head, args, first=True, live=True)
+                results += later.result()
+    totals = {}
+    for version, result in sorted(results, key=lambda r: VERSIONS.index(r[0])):
+        if result is None or result.pop("rc") != 0:
+            failed_versions.append(version)
+        for k, v in (result or {}).items():
             totals[k] = totals.get(k, 0) + v
     order = ("failed", "passed", "skipped", "deselected", "xfailed", "xpassed", "warnings", "errors")
     totals.setdefault("failed", 0)
     totals.setdefault("passed", 0)
     summary = ", ".join(f"{totals[k]} {k}" for k in order if k in totals)
     where = f" (failing on Python {', '.join(failed_versions)})" if failed_versions else ""
-    print(f"{summary} on Python {', '.join(args.python or VERSIONS)}{where}", flush=True)
+    say(f"{summary} on Python {', '.join(args.python or VERSIONS)}{where}")
     return 1 if failed_versions else 0
 
 
