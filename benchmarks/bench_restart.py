@@ -16,7 +16,7 @@ Targets:
 
 Usage:
     python3 benchmarks/bench_restart.py            # 3 rounds (~2 min on 2 cores)
-    python3 benchmarks/bench_restart.py --quick    # 1 round (CI smoke)
+    python3 benchmarks/bench_restart.py --quick    # 1 round on a 16-layer MLP (CI smoke)
     python3 benchmarks/bench_restart.py --json out.json
 """
 
@@ -107,7 +107,7 @@ def child(mode: str, cache: str) -> dict:
 
 def run_child(mode: str, cache: str) -> dict:
     env = {**os.environ}
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, cache]
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, cache, str(CFG["depth"])]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if res.returncode != 0:
         raise RuntimeError(res.stderr[-2000:])
@@ -115,7 +115,8 @@ def run_child(mode: str, cache: str) -> dict:
 
 
 def main():
-    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+    if len(sys.argv) == 5 and sys.argv[1] == "--child":
+        CFG["depth"] = int(sys.argv[4])
         print(json.dumps(child(sys.argv[2], sys.argv[3])))
         return 0
     sys.path.insert(0, HERE)
@@ -123,7 +124,9 @@ def main():
 
     H.parse_args(__doc__)
     rounds = 1 if H.quick() else 3
-    H.log(H.env_line(f"{rounds} round(s)"))
+    if H.quick():
+        CFG["depth"] = 16  # the same code paths, at a fraction of the 120-layer programs' compiles
+    H.log(H.env_line(f"{rounds} round(s)", f"{CFG['depth']}-layer MLP"))
     # A round: one cold and one warm process per side, on a fresh directory; sides alternate per round.
     rows = {"nitro": [], "jit": []}
 
@@ -154,7 +157,7 @@ def main():
         "save_parts_s": {k: statistics.median(w[f"{k}_s"] for _, w in rows["nitro"])
                          for k in ("save_waited", "manifest", "host_copy", "commit", "epoch_after_save")},
     }
-    H.log(f"120-layer MLP, {CFG['steps']} steps of {CFG['batch']}: first cell to the end of epoch 1, medians")
+    H.log(f"{CFG['depth']}-layer MLP, {CFG['steps']} steps of {CFG['batch']}: first cell to the end of epoch 1, medians")
     for m, label in (("nitro", "nitro_ipy (program store)"), ("jit", "jax.jit loop (JAX's persistent cache)")):
         c, w = med[m]
         H.log(f"  {label:38s} cold {c:6.2f} s  restart {w:6.2f} s")
