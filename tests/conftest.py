@@ -38,18 +38,12 @@ ONCE_PER_CI = ("test_browser.py", "test_export.py", "test_sharding.py", "test_ch
 
 
 def pytest_collection_modifyitems(config, items):
-    """`NITRO_IPY_CI_ONCE`: `0` skips the once-per-CI tests (a later Python); `rest` and `only` split the
-    first Python's suite in two runs (its tests without them, and them alone), deselecting the other part."""
-    mode = os.environ.get("NITRO_IPY_CI_ONCE")
-    if mode == "0":
-        once = pytest.mark.skip(reason="independent of the Python version: run once per CI run, on its first Python")
-        for item in items:
-            if item.path.name in ONCE_PER_CI:
-                item.add_marker(once)
-    elif mode in ("rest", "only"):
-        keep = [item for item in items if (item.path.name in ONCE_PER_CI) == (mode == "only")]
-        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
-        items[:] = keep
+    if os.environ.get("NITRO_IPY_CI_ONCE") != "0":
+        return
+    once = pytest.mark.skip(reason="independent of the Python version: run once per CI run, on its first Python")
+    for item in items:
+        if item.path.name in ONCE_PER_CI:
+            item.add_marker(once)
 
 
 @pytest.fixture(autouse=True)

@@ -7,12 +7,11 @@ three. The tests that do not depend on the Python minor version (browser and exp
 processes, checkpoints, the server's save hook, Flax and Equinox models, the pages and the digits
 notebook: `ONCE_PER_CI` in `tests/conftest.py`) run on the first Python only.
 
-On a machine with 2 cores or more, two lanes run side by side (`--serial`: one run after the other). The
-first Python's suite is split in two halves, its once-per-CI tests and the rest, one per lane; each lane
-then tests a later Python. One lane's output is shown as it comes, the other's whole when each run ends.
-A pytest run keeps about 1.1-1.4 cores busy (tracing is one Python thread), so the lanes share 2 cores
-with little loss. The installs run one at a time (each writes this checkout's egg-info) in the
-background, from the start.
+On a machine with 2 cores or more, two lanes run side by side (`--serial`: one Python after the other):
+the first Python's tests, their output shown as it comes; and the later Pythons' tests, one after the
+other, each one's output shown whole when it ends. A pytest run keeps about 1.1-1.7 cores busy (tracing
+is one Python thread), so the two lanes share 2 cores with little loss. The installs run one at a time
+(each writes this checkout's egg-info) in the background, from the start.
 
 Fails if any Python's suite fails or an install fails; a Python that is not on the machine is skipped
 with a line saying so (CI wants all three: `--require-all`). The last line is a pytest-style summary over
@@ -94,17 +93,13 @@ def install(version: str, exe: str, fresh: bool) -> Path:
     return py
 
 
-def run_tests(version: str, py: Path, pytest_args: list, once: str | None = None, live: bool = True) -> dict:
+def run_tests(version: str, py: Path, pytest_args: list, once: bool = True, live: bool = True) -> dict:
     """Run pytest with `py`; returns the counts of its summary line (`{"passed": N, ...}`) and `rc`.
-    `once` is `tests/conftest.py`'s `NITRO_IPY_CI_ONCE` for the tests that run once per CI run
-    (`ONCE_PER_CI`): None runs them, `0` skips them, `rest` / `only` run the suite without them / them
-    alone (the two halves of the first Python's suite; what they deselect is not counted). Its output is
-    shown as it comes when `live`, else whole at its end."""
+    Unless `once`, the tests that run once per CI run are skipped (`tests/conftest.py`'s `ONCE_PER_CI`).
+    Its output is shown as it comes when `live`, else whole at its end."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # test this checkout, via the venv
-    if once is not None:
-        env["NITRO_IPY_CI_ONCE"] = once
-    if once == "only":
-        version = f"{version} (once-per-CI tests)"
+    if not once:
+        env["NITRO_IPY_CI_ONCE"] = "0"
     t0 = time.perf_counter()
     if not live:
         say(f"[ci] Python {version}: tests started; their output comes whole when they end")
@@ -124,19 +119,18 @@ def run_tests(version: str, py: Path, pytest_args: list, once: str | None = None
         word = {"error": "errors", "warning": "warnings"}.get(word, word)
         counts[word] = counts.get(word, 0) + int(n)
     shown = last.strip(" =\n") or "no summary"
-    if once in ("rest", "only"):
-        counts.pop("deselected", None)
     if kept:
         say(f"[ci] ---- Python {version}'s pytest output ----\n" + "".join(kept) + f"[ci] ---- end of Python {version} ----")
     say(f"[ci] Python {version}: {shown} (rc {rc}, {time.perf_counter() - t0:.0f} s)")
     return {"rc": rc, **counts}
 
 
-def lane(jobs: list, args, live: bool) -> list:
-    """Run `jobs` in turn: (version, the future of its install, `once` for `run_tests`). Returns (version,
+def lane(installs: dict, args, first: bool, live: bool) -> list:
+    """Test each Python of `installs` (version -> the future of its install) in turn, once installed; the
+    first Python's lane (`first`) runs the once-per-CI tests on its first version. Returns (version,
     result) pairs, a result being None when the install failed."""
     out = []
-    for version, installed, once in jobs:
+    for i, (version, installed) in enumerate(installs.items()):
         try:
             py = installed.result()
         except subprocess.CalledProcessError as err:
@@ -144,7 +138,7 @@ def lane(jobs: list, args, live: bool) -> list:
             out.append((version, None))
             continue
         if not args.install_only:
-            out.append((version, run_tests(version, py, args.pytest_args, once=once, live=live)))
+            out.append((version, run_tests(version, py, args.pytest_args, once=first and i == 0, live=live)))
     return out
 
 
@@ -168,23 +162,18 @@ def main(argv=None) -> int:
             failed_versions.append(version)
     # One install at a time, in order, in the background (each writes this checkout's egg-info).
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as installer:
-        installs = [(v, installer.submit(install, v, exe, args.fresh)) for v, exe in found.items()]
-        if args.serial or (os.cpu_count() or 1) < 2 or not installs:
-            results = lane([(v, f, None if i == 0 else "0") for i, (v, f) in enumerate(installs)], args, live=True)
+        installs = {v: installer.submit(install, v, exe, args.fresh) for v, exe in found.items()}
+        head, rest = dict(list(installs.items())[:1]), dict(list(installs.items())[1:])
+        if args.serial or (os.cpu_count() or 1) < 2 or not rest:
+            results = lane({**head, **rest}, args, first=True, live=True)
         else:
-            # The first Python's suite in two halves, one per lane, each followed by a later Python: the
-            # once-per-CI half (about 430 s alone on 2 cores) then 3.12 in the second lane, while 3.12
-            # installs; the rest of it (about 590 s) then 3.13 in the first.
-            (first, f0), later = installs[0], installs[1:]
-            live = [(first, f0, "rest"), *[(v, f, "0") for v, f in later[1::2]]]
-            whole = [(first, f0, "only"), *[(v, f, "0") for v, f in later[0::2]]]
-            with concurrent.futures.ThreadPoolExecutor(max_workers=1) as second:
-                other = second.submit(lane, whole, args, False)
-                results = lane(live, args, live=True)
-                results += other.result()
+            with concurrent.futures.ThreadPoolExecutor(max_workers=1) as later_lane:
+                later = later_lane.submit(lane, rest, args, False, False)
+                results = lane(head, args, first=True, live=True)
+                results += later.result()
     totals = {}
     for version, result in sorted(results, key=lambda r: VERSIONS.index(r[0])):
-        if (result is None or result.pop("rc") != 0) and version not in failed_versions:
+        if result is None or result.pop("rc") != 0:
             failed_versions.append(version)
         for k, v in (result or {}).items():
             totals[k] = totals.get(k, 0) + v
