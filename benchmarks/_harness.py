@@ -34,6 +34,10 @@ import jax  # noqa: E402
 
 from nitro_ipy import _closure  # noqa: E402
 
+# The depth of the 120-layer MLP in a `--quick` run (CI's smoke run): the same code paths, at a fraction of
+# the 120-layer programs' compiles. Its figures are indicative only.
+QUICK_DEPTH = 16
+
 _args = argparse.Namespace(quick=False, json=None)
 _started = (time.perf_counter(), os.getloadavg()[0])
 

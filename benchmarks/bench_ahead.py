@@ -20,8 +20,8 @@ waited for, the compile seconds of each program made ahead.
 Usage:
     python3 benchmarks/bench_ahead.py [--quick] [--json PATH]
 
-`--quick` (CI's smoke run, beside the tests) makes one round on a 16-layer MLP: the same code paths, at a
-fraction of the 120-layer programs' compile time; its figures are indicative only.
+`--quick` (CI's smoke run) makes one round on a 16-layer MLP (`_harness.QUICK_DEPTH`): the same code
+paths, at a fraction of the 120-layer programs' compile time; its figures are indicative only.
 """
 
 import os
@@ -211,7 +211,7 @@ def foreground(sh: Shell, rounds: int, delay: float = 0.0) -> dict:
 def main(argv=None) -> int:
     H.parse_args(__doc__, argv)
     if H.quick():
-        DEEP["depth"] = 16
+        DEEP["depth"] = H.QUICK_DEPTH
     nitro_ipy.set_cache_dir(None)  # the compile seconds, not a load from an earlier run's program store
     rounds = 1 if H.quick() else 3
     sh = Shell()

@@ -57,10 +57,14 @@ FULL["issue"] = dict(in_dim=32, width=32, depth=1, batch=64, steps=256, rounds=2
 QUICK = dict(
     issue=dict(in_dim=32, width=32, depth=1, batch=64, steps=256, rounds=5, progress=True),
     tiny=dict(in_dim=8, width=32, depth=1, batch=32, steps=200, rounds=9),
-    deep=dict(in_dim=16, width=32, depth=16, batch=64, steps=16, rounds=5, cycles=1, helper_cycles=0,
-              valid=128, variant_rounds=0),  # 16 layers: the 120-layer code paths, at a fraction of the compiles
+    deep=dict(in_dim=16, width=32, depth=H.QUICK_DEPTH, batch=64, steps=16, rounds=5, cycles=1, helper_cycles=0,
+              valid=128, variant_rounds=0),
 )
-DEEP_LABEL = "120-layer MLP"  # the deep model's name in the report: `main` sets it from the config
+
+
+def deep_name(cfg: dict) -> str:
+    """The deep MLP's name in the report, from its config: `120-layer MLP` (16 layers in a quick run)."""
+    return f"{cfg['depth']}-layer MLP"
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -301,7 +305,7 @@ def rows(res) -> list:
     """The targets (1, 2), each judged on its paired-median ratio: lower is faster, `<=` passes."""
     out = []
     for label, r, name in (("steady-state epoch, tiny MLP", res["tiny"], "tiny_epoch"),
-                           (f"steady-state epoch, {DEEP_LABEL}", res["deep"], "deep_epoch"),
+                           (f"steady-state epoch, {deep_name(res['deep']['config'])}", res["deep"], "deep_epoch"),
                            ("live-edit cycle, class edits", res["edit"], "edit_cycle")):
         out.append(H.at_most(label, r["ratio"], TARGETS[name]))
     out.append(H.at_most("steady-state epoch, 1x32 MLP, batch 64, progress on", res["issue"]["ratio"],
@@ -313,6 +317,7 @@ def rows(res) -> list:
 
 def report(res):
     t, d, c, e = res["tiny"], res["deep"], res["compile"], res["edit"]
+    deep_label = deep_name(d["config"])
     log()
     log(f"nitro_ipy handle benchmark: {H.env_line(f'closure recording: {CLOSURE}')}")
     log()
@@ -320,7 +325,7 @@ def report(res):
     log(f"   {'model':<33}{'baseline':>11}{'nitro':>11}{'ratio':>7}{'target':>8}  {'range':<10}"
         f"{'med/med':>8}{'min/min':>8}")
     for label, r, tgt in (("tiny MLP", t, TARGETS["tiny_epoch"]), ("1x32 MLP, bar", res["issue"],
-                          TARGETS["issue_epoch"]), (DEEP_LABEL, d, TARGETS["deep_epoch"])):
+                          TARGETS["issue_epoch"]), (deep_label, d, TARGETS["deep_epoch"])):
         cfg = r["config"]
         desc = f"{label} ({cfg['arrays']} arrays, {cfg['steps_per_epoch']} st)"
         rng = f"{r['ratio_paired_range'][0]:.2f}-{r['ratio_paired_range'][1]:.2f}"
@@ -331,11 +336,11 @@ def report(res):
                     ("vs_baseline_without_ynn", "compiled without YNNPACK, as nitro compiles narrow programs")):
         if k in d:
             x = d[k]
-            log(f"   (information) {DEEP_LABEL} vs a fused step {what}: baseline "
+            log(f"   (information) {deep_label} vs a fused step {what}: baseline "
                 f"{x['baseline']['us_per_step_median']:.1f} us, nitro {x['nitro']['us_per_step_median']:.1f} us, "
                 f"ratio {x['ratio']:.2f}x")
     log()
-    log(f"2. live-edit cycle, {DEEP_LABEL}: edit the loss, then first epoch incl. compile (seconds)")
+    log(f"2. live-edit cycle, {deep_label}: edit the loss, then first epoch incl. compile (seconds)")
     log(f"   {'edit':<7}{'baseline':>9}{'trace':>7}{'XLA':>7} |{'nitro':>7}{'rebuild':>8}{'trace':>7}{'XLA':>7}"
         f"{'ratio':>8}  recompiled")
     for r in e["cycles"]:
@@ -361,7 +366,7 @@ def report(res):
     log()
     log("4. per-step overhead of the handle: nitro us/step - baseline us/step (wall median | best epochs |"
         " main-thread CPU)")
-    for label, r in (("tiny MLP", t), ("1x32 MLP", res["issue"]), (DEEP_LABEL, d)):
+    for label, r in (("tiny MLP", t), ("1x32 MLP", res["issue"]), (deep_label, d)):
         log(f"   {label:<16}{r['overhead_us_per_step']:+9.1f} us {r['overhead_us_per_step_best']:+9.1f} us"
             f" {r['overhead_cpu_us_per_step']:+9.1f} us")
     log()
@@ -371,8 +376,7 @@ def report(res):
 def main(argv=None) -> int:
     H.parse_args(__doc__, argv, quick="CI smoke run (< 60 s): fewer epochs and edits")
     cfg = QUICK if H.quick() else FULL
-    global DEEP_LABEL
-    DEEP_LABEL = f"{cfg['deep']['depth']}-layer MLP"
+    deep_label = deep_name(cfg["deep"])
     # nitro's own messages (compile lines, stale notices) go where the log goes: never into JSON on stdout
     _report.set_sink(lambda m: log(f"    | {m.text}"))
     cells = M.Cells()
@@ -388,18 +392,18 @@ def main(argv=None) -> int:
     res["issue"] = steady_state(cells, "IssueMLP", cfg["issue"])
 
     nitro_ipy.cache_reset()
-    log(f"{DEEP_LABEL}: steady state ...")
+    log(f"{deep_label}: steady state ...")
     res["deep"] = deep = steady_state(cells, "DeepMLP", cfg["deep"])
     if cfg["deep"]["variant_rounds"]:
-        log(f"{DEEP_LABEL}: steady state against a donating baseline (information) ...")
+        log(f"{deep_label}: steady state against a donating baseline (information) ...")
         deep["vs_donated_baseline"] = baseline_variant(cells, cfg["deep"], deep["_handle"], deep["_data"],
                                                        donate=True)
-        log(f"{DEEP_LABEL}: steady state against a baseline compiled without YNNPACK (information) ...")
+        log(f"{deep_label}: steady state against a baseline compiled without YNNPACK (information) ...")
         deep["vs_baseline_without_ynn"] = baseline_variant(cells, cfg["deep"], deep["_handle"], deep["_data"],
                                                            compiler_options=_compile.WITHOUT_YNN)
-    log(f"{DEEP_LABEL}: compile report ...")
+    log(f"{deep_label}: compile report ...")
     res["compile"] = compile_report(cfg["deep"], deep)
-    log(f"{DEEP_LABEL}: live-edit cycles ...")
+    log(f"{deep_label}: live-edit cycles ...")
     res["edit"] = edit_cycles(cells, "DeepMLP", cfg["deep"], deep["_handle"], deep["_baseline"])
     res["env"] = H.env()
     res["load"] = res["env"]["load"]

@@ -125,7 +125,7 @@ def main():
     H.parse_args(__doc__)
     rounds = 1 if H.quick() else 3
     if H.quick():
-        CFG["depth"] = 16  # the same code paths, at a fraction of the 120-layer programs' compiles
+        CFG["depth"] = H.QUICK_DEPTH
     H.log(H.env_line(f"{rounds} round(s)", f"{CFG['depth']}-layer MLP"))
     # A round: one cold and one warm process per side, on a fresh directory; sides alternate per round.
     rows = {"nitro": [], "jit": []}

@@ -63,7 +63,7 @@ FULL = dict(loop_steps={"tiny": 2000, "deep": 400}, loop_reps=7, dispatch_inner=
             level_rounds=7)
 # The quick run's "deep" MLP has 16 layers, not 120: the same code paths, without paying the 120-layer
 # programs' compiles (4 s for its optimizer program alone) in CI's smoke run.
-QUICK = dict(depth=16, loop_steps={"tiny": 200, "deep": 40}, loop_reps=3, dispatch_inner={"tiny": 30, "deep": 2},
+QUICK = dict(depth=H.QUICK_DEPTH, loop_steps={"tiny": 200, "deep": 40}, loop_reps=3, dispatch_inner={"tiny": 30, "deep": 2},
              dispatch_rounds=1, recorder_rounds=1, optflags=("default", "O0"), optflag_rounds=1, rebuild_edits=2,
              dot_widths=(32, 256), dot_batches=(8,), dot_rounds=2, conv_rounds=1,
              level_rounds=1)
