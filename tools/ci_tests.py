@@ -9,7 +9,7 @@ notebook: `ONCE_PER_CI` in `tests/conftest.py`) run on the first Python only.
 
 On a machine with 2 cores or more, two lanes run side by side (`--serial`: one Python after the other):
 the first Python's tests, their output shown as it comes; and the later Pythons' tests, one after the
-other, each one's output shown whole when it ends. A pytest run keeps about 1.1-1.7 cores busy (tracing
+other, each one's output shown whole when it ends. A pytest run keeps about 1.1-1.4 cores busy (tracing
 is one Python thread), so the two lanes share 2 cores with little loss. The installs run one at a time
 (each writes this checkout's egg-info) in the background, from the start.
 
@@ -163,13 +163,14 @@ def main(argv=None) -> int:
     # One install at a time, in order, in the background (each writes this checkout's egg-info).
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as installer:
         installs = {v: installer.submit(install, v, exe, args.fresh) for v, exe in found.items()}
-        head, rest = dict(list(installs.items())[:1]), dict(list(installs.items())[1:])
-        if args.serial or (os.cpu_count() or 1) < 2 or not rest:
-            results = lane({**head, **rest}, args, first=True, live=True)
+        versions = list(installs)
+        if args.serial or (os.cpu_count() or 1) < 2 or len(versions) < 2:
+            results = lane(installs, args, first=True, live=True)
         else:
-            with concurrent.futures.ThreadPoolExecutor(max_workers=1) as later_lane:
-                later = later_lane.submit(lane, rest, args, False, False)
-                results = lane(head, args, first=True, live=True)
+            rest = {v: installs[v] for v in versions[1:]}
+            with concurrent.futures.ThreadPoolExecutor(max_workers=1) as second_lane:
+                later = second_lane.submit(lane, rest, args, False, False)
+                results = lane({versions[0]: installs[versions[0]]}, args, first=True, live=True)
                 results += later.result()
     totals = {}
     for version, result in sorted(results, key=lambda r: VERSIONS.index(r[0])):
