@@ -225,14 +225,9 @@ def select_first_cell(page):
 
 
 def select_cell_after(page, startswith: str):
-    cells = page.locator(".jp-Notebook .jp-Cell")
-    for i in range(cells.count()):
-        src = cells.nth(i).evaluate("c => c.querySelector('.jp-InputArea-editor')?.textContent || ''")
-        if src.strip().startswith(startswith):
-            cells.nth(i + 1).click(position={"x": 5, "y": 5})
-            page.keyboard.press("Escape")
-            return
-    raise LookupError(startswith)
+    after = cell_index(page, startswith, cells=".jp-Notebook .jp-Cell") + 1
+    page.locator(".jp-Notebook .jp-Cell").nth(after).click(position={"x": 5, "y": 5})
+    page.keyboard.press("Escape")
 
 
 def switch_theme(page, name: str):
@@ -307,13 +302,27 @@ def shoot(page, selector: str, path: Path, nth: int = 0):
     el.screenshot(path=str(path))
 
 
+# 1 + the index among `cells` of the first whose source starts with `start`, or 0. A notebook just opened
+# adds its cells and fills their editors over a few frames, so `cell_index` polls this.
+FIND_CELL_JS = """([cells, start]) => 1 + [...document.querySelectorAll(cells)].findIndex(
+  c => (c.querySelector('.jp-InputArea-editor')?.textContent || '').trim().startsWith(start))"""
+
+
+def cell_index(page, startswith: str, cells: str = ".jp-Notebook .jp-CodeCell", timeout: float = 30_000) -> int:
+    """The index among `cells` of the first whose source starts with `startswith`, once the page shows it."""
+    try:
+        found = page.wait_for_function(FIND_CELL_JS, arg=[cells, startswith], timeout=timeout)
+    except Exception as e:  # playwright's TimeoutError: say which cell was missing and what was there
+        sources = page.eval_on_selector_all(
+            cells, "cs => cs.map(c => (c.querySelector('.jp-InputArea-editor')?.textContent || '').slice(0, 40))")
+        raise LookupError(f"no cell starts with {startswith!r} after {timeout / 1000:.0f} s; "
+                          f"the {len(sources)} cells start: {sources}") from e
+    return found.json_value() - 1
+
+
 def output_of(page, startswith: str):
     """The output area of the code cell whose source starts with `startswith`."""
-    cells = page.locator(".jp-Notebook .jp-CodeCell")
-    for i in range(cells.count()):
-        if cells.nth(i).evaluate("c => c.querySelector('.jp-InputArea-editor')?.textContent || ''").strip().startswith(startswith):
-            return cells.nth(i).locator(".jp-OutputArea")
-    raise LookupError(startswith)
+    return page.locator(".jp-Notebook .jp-CodeCell").nth(cell_index(page, startswith)).locator(".jp-OutputArea")
 
 
 def save(page):
