@@ -170,6 +170,14 @@ def open_notebook(page, lab: Lab, timeout: float = 60_000, name: str = "quicksta
     """Open `name` in the page (`reset`: with a fresh workspace, so it is the one notebook open)."""
     page.goto(lab.url(f"lab/tree/{name}?{'reset&' if reset else ''}token={lab.token}"))
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=timeout)
+    # Every cell shown with its source: on a loaded machine the page adds cells and fills their editors
+    # over a while after the first one appears, and a count taken too soon would come up short.
+    heads = [("".join(c["source"]).strip().splitlines() or [""])[0][:30] for c in lab.saved(name)["cells"]]
+    page.wait_for_function(
+        """heads => { const cells = [...document.querySelectorAll('.jp-Notebook .jp-Cell')];
+          return cells.length === heads.length && cells.every((c, i) => c.classList.contains('jp-MarkdownCell')
+            || (c.querySelector('.jp-InputArea-editor')?.textContent || '').trim().startsWith(heads[i])); }""",
+        arg=heads, timeout=timeout)
     page.wait_for_function(
         "() => { const s = document.querySelector('.jp-Notebook-ExecutionIndicator');"
         " return s && s.getAttribute('data-status') === 'idle'; }", timeout=timeout)
