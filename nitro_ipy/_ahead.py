@@ -32,7 +32,6 @@ import time
 import weakref
 from typing import NamedTuple
 
-import jax
 import numpy as np
 
 from . import _cache, _carry, _closure, _compile, _memo, _report, _reuse, _world
@@ -84,6 +83,7 @@ class Job(NamedTuple):
     spec: object
     binding: object
     after: int = -1  # start once more than this many step loops started (a prefetch: its first step)
+    out_shardings: object = None  # on a mesh: where the outputs go, as the handle compiles it
 
 
 class Outcome(NamedTuple):
@@ -253,7 +253,7 @@ def plan(wanted: set | None = None) -> list[Job]:
     has or is compiling."""
     jobs, seen = [], set()
     for handle, recipes in list(_recipes.items()):
-        if _on_a_mesh(handle):
+        if _across_processes(handle):
             continue
         # Stale: a program it runs was poisoned (a helper, a global moved), or its class cell was re-run
         # (the rebuild binds the new class, whose hooks key new programs; the old ones stay valid).
@@ -280,7 +280,8 @@ def plan(wanted: set | None = None) -> list[Job]:
             if model is None:
                 model = _rebound_model(handle, b)
             fn = r.spec.build(b, model, handle.accum, r.hook, **r.fields)
-            jobs.append(Job(key, fn, args, r.spec, b))
+            jobs.append(Job(key, fn, args, r.spec, b,
+                            out_shardings=handle._place.out_shardings(r.spec.kind, args, model)))
     return sorted(jobs, key=lambda j: _ORDER.get(j.spec.kind, len(_ORDER)))
 
 
@@ -297,10 +298,13 @@ def _rebound_model(handle, b) -> Model:
     return Model(split, type(handle._layout)(split.trainable(split.dynamic(live))), b.has_state, b.reserved)
 
 
-def _on_a_mesh(handle) -> bool:
-    """A handle on a mesh compiles its programs with output shardings this module does not compose
-    yet: it compiles them itself, on demand (docs/scale.md)."""
-    return getattr(getattr(handle, "_place", None), "mesh", None) is not None
+def _across_processes(handle) -> bool:
+    """A handle on a mesh that spans processes (`jax.distributed`) compiles its programs itself, on
+    demand: every process must build the same program at the same point of the run, and a background
+    compile in each would start whenever that process's cell ended (docs/scale.md). A mesh within this
+    process compiles ahead like one device: the recipes' argument shapes keep their shardings, and each
+    job takes the output shardings the handle's `_place` gives its program."""
+    return bool(getattr(getattr(handle, "_place", None), "multi_process", False))
 
 
 def prefetch_eval(handle) -> bool:
@@ -308,26 +312,37 @@ def prefetch_eval(handle) -> bool:
     while its first epoch trains; validation then finds it compiled or waits for the one in flight."""
     b = handle._binding
     split = b.splits.get("valid")
-    if not _enabled or split is None or _on_a_mesh(handle):
+    if not _enabled or split is None or _across_processes(handle):
         return False
     inputs = b.routes["forward"].pick(split)
     targets = b.routes["loss"].pick(split) if b.loss is not None else ()
-    width = handle.batch_size  # eval batches are padded to the batch width
-    batch = lambda names: {k: jax.ShapeDtypeStruct((width,) + split[k].shape[1:], split[k].dtype) for k in names}
-    args = _cache.shapes_of((handle._params, handle._model_state, handle._dev)) + (
-        batch(inputs), batch(targets), jax.ShapeDtypeStruct((), np.int32))
-    key = program_key(EVAL, b, args, handle._settings)
+    key, args = eval_key(handle, split, inputs, targets)
     if key in _failed or _cache.known(key):
         return False
     fn = EVAL.build(b, handle._model, handle.accum, None, inputs=inputs, targets=targets)
     with _cv:
         if any(j.key == key for j in _queue):
             return False
-        _queue.append(Job(key, fn, args, EVAL, b, _loops))
+        _queue.append(Job(key, fn, args, EVAL, b, _loops,
+                          out_shardings=handle._place.out_shardings(EVAL.kind, args, handle._model)))
         _wanted.add(key)
         _start()
         _cv.notify_all()
     return True
+
+
+def eval_key(handle, split: dict, inputs, targets) -> tuple:
+    """`(key, args)` of the evaluation program `handle._evaluate` resolves for `split`: its arguments'
+    shapes, batches padded to the batch width and placed as the handle places them (split along a mesh's
+    data axis), without evaluating anything."""
+    width, place = handle.batch_size, handle._place
+
+    def batch(names):  # a zero batch of the width, placed, then only its shapes and shardings kept
+        return _cache.shapes_of(place.batch({k: np.zeros((width,) + split[k].shape[1:], split[k].dtype) for k in names}))
+
+    args = _cache.shapes_of((handle._params, handle._model_state, handle._dev)) + (
+        batch(inputs), batch(targets), _cache.shapes_of(place.replicate(np.int32(0))))
+    return program_key(EVAL, handle._binding, args, handle._settings), args
 
 
 def _submit(jobs: list[Job], wanted=(), prefetches: bool = True) -> int:
@@ -461,7 +476,8 @@ def _work() -> None:
             status, entry, detail = _compile.compile_ahead(
                 job.key, job.fn, job.args, donate_argnums=job.spec.donate,
                 info={"graphconst": b.graphconst.info}, record=_closure.record,
-                compiler_options=job.spec.compiler_options, sources=b.graphconst_sources)
+                compiler_options=job.spec.compiler_options, sources=b.graphconst_sources,
+                out_shardings=job.out_shardings)
             with _cv:
                 if status == "failed" and isinstance(detail, Cancelled):
                     status, detail = "cancelled", None

@@ -30,7 +30,7 @@ EXPERIMENT = """
 import dataclasses
 import jax, jax.numpy as jnp, numpy as np, optax
 import nitro_ipy
-from nitro_ipy import Device, GraphConst
+from nitro_ipy import Device, GraphConst, Nitro
 
 def act(h):
     return jnp.tanh(h)
@@ -203,6 +203,81 @@ def test_param_sharding_rule_shards_params_and_their_optimizer_state(tmp_path):
     assert out["shard_shape"] == [4, 4]  # each device holds a quarter of w1's 16 columns
     assert out["rebuilt"] == str(P(None, "data")) and out["rebuilt_misses"] == 0
     assert out["edited_misses"] == 2  # grad and eval traced `forward`'s helper; opt and the metrics did not
+
+
+# Compile ahead on a mesh, through a real `InteractiveShell` in the child: the experiment's cell defines a
+# helper the loss calls, and a later cell edits it.
+AHEAD_CELLS = """
+import dataclasses
+import jax, jax.numpy as jnp, optax
+from nitro_ipy import Device, GraphConst, Nitro
+
+def helper(r):
+    return r ** 2
+
+@dataclasses.dataclass
+class Fit:
+    hidden: GraphConst[int] = 16
+    lr: Device[float] = 1e-2
+
+    def init(self, rng):
+        k1, k2 = jax.random.split(rng)
+        return {"w1": jax.random.normal(k1, (4, self.hidden)) * 0.5,
+                "w2": jax.random.normal(k2, (self.hidden,)) * 0.5}
+
+    def forward(self, params, *, x):
+        return jnp.tanh(x @ params["w1"]) @ params["w2"]
+
+    def loss(self, outputs, *, y):
+        return jnp.mean(helper(outputs - y))
+
+    def optimizer(self):
+        return optax.adam(self.lr)
+"""
+
+
+@pytest.mark.parametrize("layout", ["flat", "sharded"])
+def test_a_mesh_handle_s_programs_compile_ahead(tmp_path, layout):
+    """On a 4-device mesh, as on one device: validation's program compiles beside the first epoch, an
+    edit's replacements compile in the background with the handle's shardings, and the rebuilt handle
+    is served them (no second compile), placed as before."""
+    out = in_child(tmp_path, f"""
+    import contextlib, io, os
+    from IPython.core.interactiveshell import InteractiveShell
+    from nitro_ipy import _ahead
+    _ahead.set_compile_ahead(True)  # the suite's children inherit it off
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "nitro_ipy")
+    ip.user_ns.update(exp=exp, mesh=mesh, P=P)
+    def run(code):
+        said = io.StringIO()
+        with contextlib.redirect_stdout(said):
+            ip.run_cell(code).raise_error()
+        return said.getvalue()
+    kw = {{"flat": "", "sharded": ", flat_params=False, param_sharding=lambda path, shape: "
+          "P(None, 'data') if path == 'w1' else None"}}[{layout!r}]
+    run({AHEAD_CELLS!r})
+    run("n = Nitro(Fit(), data=exp.data(), batch_size=32, max_epochs=1, progress=False, mesh=mesh" + kw + "); rows = n.train()")
+    _ahead.wait(120)
+    first = {{"history": [[o.kind, o.status] for o in _ahead.history()], "stats": list(nitro_ipy.cache_stats()[1:3])}}
+    _ahead.reset()
+    run("def helper(r):\\n    return abs(r)\\n")  # the post-cell hook poisons grad and eval, queues both
+    _ahead.wait(120)
+    edit = {{"history": [[o.kind, o.status] for o in _ahead.history()], "stats": list(nitro_ipy.cache_stats()[1:3])}}
+    said = run("n = n.rebuild(); rows = n.train()")
+    n = ip.user_ns["n"]
+    print(json.dumps({{"first": first, "edit": edit, "after": list(nitro_ipy.cache_stats()[1:3]),
+                      "compiled": [line for line in said.splitlines() if line.startswith("nitro_ipy: compiled")],
+                      "w1": str(n.params["w1"].sharding.spec), "loss": ip.user_ns["rows"][-1]["loss"],
+                      "stale": any(e.poisoned for e in n._programs.values())}}))
+    """)
+    assert out["first"] == {"history": [["eval", "compiled"]], "stats": [3, 3]}  # grad, opt; eval ahead
+    assert out["edit"] == {"history": [["grad", "compiled"], ["eval", "compiled"]], "stats": [5, 3]}
+    assert out["after"] == [5, 3]  # the rebuilt handle compiled nothing
+    assert [line.split()[2] for line in out["compiled"]] == ["grad", "eval"]
+    assert all("compiled ahead after your edit" in line for line in out["compiled"])
+    assert out["w1"] == (str(P()) if layout == "flat" else str(P(None, "data")))
+    assert np.isfinite(out["loss"]) and not out["stale"]
 
 
 def test_bad_input_is_refused_at_setup(tmp_path):
