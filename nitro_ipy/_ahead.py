@@ -477,7 +477,8 @@ def _work() -> None:
                 job.key, job.fn, job.args, donate_argnums=job.spec.donate,
                 info={"graphconst": b.graphconst.info}, record=_closure.record,
                 compiler_options=job.spec.compiler_options, sources=b.graphconst_sources,
-                out_shardings=job.out_shardings)
+                out_shardings=job.out_shardings,
+                ahead=_report.BESIDE_TRAINING if job.after >= 0 else _report.AFTER_EDIT)
             with _cv:
                 if status == "failed" and isinstance(detail, Cancelled):
                     status, detail = "cancelled", None

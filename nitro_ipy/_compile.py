@@ -122,9 +122,9 @@ def compile_program(
 
 def compile_ahead(key, fn, args, *, donate_argnums: tuple = (), info: dict | None = None,
                   record: Callable | None = None, compiler_options: dict | None = None,
-                  sources: dict | None = None, out_shardings=None) -> tuple:
+                  sources: dict | None = None, out_shardings=None, ahead: str = _report.AFTER_EDIT) -> tuple:
     """`compile_program` for a background thread (`_ahead`): the same claim, build and store, but it
-    says nothing and raises nothing. A program whose dependencies drifted while it compiled is dropped,
+    says nothing and raises nothing (`ahead`: why it was built in the background, for its compile line). A program whose dependencies drifted while it compiled is dropped,
     not served; a compile that raised leaves the key unclaimed, so the handle that needs the program
     compiles it itself and the error surfaces there, with the user's traceback, as without compiling ahead.
 
@@ -148,7 +148,7 @@ def compile_ahead(key, fn, args, *, donate_argnums: tuple = (), info: dict | Non
     if drifted:
         return "drifted", None, drifted
     _save(entry)
-    messages = [_report.message(Kind.COMPILE, entry=entry, ahead=True)]
+    messages = [_report.message(Kind.COMPILE, entry=entry, ahead=ahead)]
     messages += [_report.message(Kind.LARGE_CONSTANT, program=entry.kind, nbytes=nbytes, shape=shape,
                                  dtype=dtype, origin=origin) for nbytes, shape, dtype, origin in entry.constants]
     return "compiled", entry, messages

@@ -59,10 +59,15 @@ def _plural(n: int, word: str) -> str:
 SLOW_COMPILE_S = 2.0
 
 
-def _compile_text(entry, ahead: bool = False) -> str:
+# How a program built in the background (`_ahead`) came to be, said on its compile line.
+AFTER_EDIT = "compiled ahead after your edit"  # once the edit's cell finished, before the rebuild asked
+BESIDE_TRAINING = "compiled in the background as training started"  # validation's, beside the first steps
+
+
+def _compile_text(entry, ahead: str = "") -> str:
     why = f" ({entry.why})" if entry.why else ""
-    if ahead:  # `_ahead`: built in the background once the edit's cell finished, before the rebuild asked
-        why = f"{why}, compiled ahead after your edit" if why else " (compiled ahead after your edit)"
+    if ahead:
+        why = f"{why}, {ahead}" if why else f" ({ahead})"
     hooks = ", ".join(entry.hook_names)
     seconds = entry.trace_s + entry.compile_s
     if getattr(entry, "origin", "compiled") == "disk":

@@ -62,11 +62,12 @@ def _stats():
     return s.misses, s.entries
 
 
-def test_a_fresh_training_run_compiles_each_program_once_with_eval_ahead():
+def test_a_fresh_training_run_compiles_each_program_once_with_eval_ahead(capsys):
     nitro_ipy.cache_reset()
     ns = {}
     exec(compile(TINY_EXPERIMENT, "<ipython-input-1-ahead>", "exec"), ns)
     n = ns["Nitro"](ns["Tiny"](), data=ns["data"], batch_size=16, progress=False)
+    capsys.readouterr()
     n.train()
     assert _stats() == (3, 3)  # grad, opt, and eval (compiled while the epoch trained), nothing more
     n.train()
@@ -74,6 +75,12 @@ def test_a_fresh_training_run_compiles_each_program_once_with_eval_ahead():
     # Whichever claimed the eval key first compiled it (the worker, or validation after 3 quick steps);
     # the other waited or found it: one miss, one hit, either way.
     assert _outcomes() in ([("eval", "compiled")], [("eval", "had")])
+    # Its compile line says how it was made: in the background as training started (there was no edit).
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("nitro_ipy: compiled")]
+    assert [line.split()[2] for line in lines] == ["grad", "opt", "eval"]
+    background = _outcomes() == [("eval", "compiled")]
+    assert lines[2].endswith("(compiled in the background as training started)") == background
+    assert not any("after your edit" in line for line in lines)
     assert [e.hits for e in nitro_ipy._cache.live_entries() if e.kind == "eval"] == [1 + 1]  # + 2nd train
 
 
