@@ -19,7 +19,8 @@ class), their replacements compile in the background, under the keys a rebuilt h
   unclaimed, so the rebuild compiles it in the foreground and raises there, with the user's traceback.
 - `prefetch_eval`: a training handle's evaluation forward compiles while its first epoch runs: from the
   moment its first step's XLA compile starts (`_compile.XLA_STARTS`), or from its first step on when
-  nothing compiles (`_pipeline` reports it through `stepping`).
+  nothing compiles (`_pipeline` reports it through `stepping`); its device metrics' programs follow
+  (`metric_jobs`, shaped from the evaluation program's outputs).
 
 Off with `set_compile_ahead(False)`, `%nitro_ahead off`, or `NITRO_IPY_AHEAD=0` in the environment.
 """
@@ -32,13 +33,16 @@ import time
 import weakref
 from typing import NamedTuple
 
+import jax
 import numpy as np
 
 from . import _cache, _carry, _closure, _compile, _memo, _report, _reuse, _world
 from ._binding import bind
+from ._compat import compiled_out_avals
+from ._data import split_len
 from ._hooks import live_class
 from ._model import Model, ParamSplit
-from ._programs import EVAL, SPECS, program_key
+from ._programs import EVAL, METRIC, SPECS, program_key
 
 ENV = "NITRO_IPY_AHEAD"
 # The workers' niceness (Linux sets it per thread). It covers the trace and lowering, which run in the
@@ -84,6 +88,7 @@ class Job(NamedTuple):
     binding: object
     after: int = -1  # start once more than this many step loops started (a prefetch: its first step)
     out_shardings: object = None  # on a mesh: where the outputs go, as the handle compiles it
+    then: object = None  # `then(entry)` -> the jobs that follow once this one's program exists
 
 
 class Outcome(NamedTuple):
@@ -320,10 +325,13 @@ def prefetch_eval(handle) -> bool:
     if key in _failed or _cache.known(key):
         return False
     fn = EVAL.build(b, handle._model, handle.accum, None, inputs=inputs, targets=targets)
+    device_metrics = [name for name, (_, residency) in b.metrics.items() if residency == "device"]
+    ref = weakref.ref(handle)
+    then = (lambda entry: metric_jobs(ref(), entry, split, device_metrics)) if device_metrics else None
     with _cv:
         if any(j.key == key for j in _queue):
             return False
-        _queue.append(Job(key, fn, args, EVAL, b, _loops,
+        _queue.append(Job(key, fn, args, EVAL, b, _loops, then=then,
                           out_shardings=handle._place.out_shardings(EVAL.kind, args, handle._model)))
         _wanted.add(key)
         _start()
@@ -343,6 +351,52 @@ def eval_key(handle, split: dict, inputs, targets) -> tuple:
     args = _cache.shapes_of((handle._params, handle._model_state, handle._dev)) + (
         batch(inputs), batch(targets), _cache.shapes_of(place.replicate(np.int32(0))))
     return program_key(EVAL, handle._binding, args, handle._settings), args
+
+
+def metric_jobs(handle, eval_entry, split: dict, names: list) -> list:
+    """The device metrics' programs `handle._evaluate` resolves over `split` once its evaluation
+    program `eval_entry` exists: one per metric hook and per batch length (full batches, and a shorter
+    last one), their arguments shaped from that program's outputs and sliced and placed as validation
+    slices and places them. [] when the handle is gone or the program does not say its output shapes."""
+    out_avals = None if handle is None else compiled_out_avals(eval_entry.call)
+    if out_avals is None:
+        return []
+    b, place, width, n = handle._binding, handle._place, handle.batch_size, split_len(split)
+    lengths = ([width] if n >= width else []) + ([n % width] if n % width else [])  # validation's order
+    jobs = []
+    for rows in lengths:
+        shaped = lambda a: ((rows,) + tuple(a.shape[1:]), a.dtype)
+        outputs = jax.tree.map(lambda o: np.zeros(*shaped(o)), out_avals[0])
+        for name in names:
+            fields = {k: np.zeros(*shaped(split[k])) for k in b.routes[name].pick(split)}
+            dev, outs, fields = _cache.shapes_of((handle._dev, *place.metric_args((outputs, fields))))
+            if place.mesh is None:  # the evaluation program's outputs as they are: their weak types kept
+                outs = jax.tree.map(lambda o: jax.ShapeDtypeStruct(*shaped(o), weak_type=bool(o.weak_type)), out_avals[0])
+            args = (dev, outs, fields)
+            key = program_key(METRIC, b, args, handle._settings, name)
+            if key not in _failed and not _cache.known(key):
+                jobs.append(Job(key, METRIC.build(b, handle._model, handle.accum, name), args, METRIC, b,
+                                out_shardings=place.out_shardings(METRIC.kind, args, handle._model)))
+    return jobs
+
+
+def _following(job: Job, entry) -> list:
+    """The jobs `job.then` makes of its program `entry` (none when it has no `then`, or raised: those
+    programs then compile on demand, as without it). Not under `_cv`: it keys and builds programs."""
+    if job.then is None or entry is None:
+        return []
+    try:
+        return job.then(entry)
+    except Exception:  # noqa: BLE001
+        return []
+
+
+def _follow(job: Job, jobs: list) -> None:
+    """Queue `jobs` (`_following`) at the head, as validation is about to need them; they start when
+    `job` could. Under `_cv`."""
+    fresh = [j._replace(after=job.after) for j in jobs if j.key not in _wanted]
+    _wanted.update(j.key for j in fresh)
+    _queue.extendleft(reversed(fresh))
 
 
 def _submit(jobs: list[Job], wanted=(), prefetches: bool = True) -> int:
@@ -479,6 +533,7 @@ def _work() -> None:
                 compiler_options=job.spec.compiler_options, sources=b.graphconst_sources,
                 out_shardings=job.out_shardings,
                 ahead=_report.BESIDE_TRAINING if job.after >= 0 else _report.AFTER_EDIT)
+            follow = _following(job, entry)
             with _cv:
                 if status == "failed" and isinstance(detail, Cancelled):
                     status, detail = "cancelled", None
@@ -487,6 +542,7 @@ def _work() -> None:
                 elif status == "failed":
                     _failed[job.key] = True
                 _note(job, status, detail if status != "compiled" else None, order=order)
+                _follow(job, follow)
         except BaseException as err:  # noqa: BLE001 - the worker outlives anything one job does
             with _cv:
                 _note(job, "failed", err, order=order)

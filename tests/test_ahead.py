@@ -112,6 +112,58 @@ def test_validation_starts_compiling_while_the_gradient_program_is_in_xla():
     assert _stats() == (3, 3)
 
 
+SCORED = """
+@dataclasses.dataclass
+class Scored(Tiny):
+    @nitro_ipy.metrics("device")
+    def mae(self, outputs, *, y):
+        return {"mae": (jnp.sum(jnp.abs(outputs - y)), outputs.shape[0])}
+
+    @nitro_ipy.metrics("device")
+    def worst(self, outputs, *, y):
+        return {"worst": (jnp.max(jnp.abs(outputs - y)), None)}
+"""
+
+
+def test_a_fresh_run_compiles_its_device_metrics_beside_the_first_epoch(capsys):
+    """After the evaluation program, the device metrics' programs compile in the background too: one per
+    metric and per batch length validation will slice (16 rows at batch 12: 12 and 4), keyed as
+    validation keys them, so validation compiles nothing."""
+    nitro_ipy.cache_reset()
+    _ahead.reset()
+    ns = {}
+    exec(compile(TINY_EXPERIMENT + SCORED, "<ipython-input-1-metrics>", "exec"), ns)
+    n = ns["Nitro"](ns["Scored"](), data=ns["data"], batch_size=12, progress=False)
+    waited = []
+
+    def let_the_worker_finish():  # the first step's XLA compile: hold it until the background is done
+        if threading.current_thread() is threading.main_thread() and not waited:
+            waited.append(_ahead.wait(60))
+
+    capsys.readouterr()
+    _compile.XLA_STARTS.append(let_the_worker_finish)
+    try:
+        rows = n.train()
+    finally:
+        _compile.XLA_STARTS.remove(let_the_worker_finish)
+    assert waited == [True]
+    assert _outcomes() == [("eval", "compiled")] + [("metric:mae", "compiled"), ("metric:worst", "compiled")] * 2
+    assert _stats() == (7, 7)  # grad, opt, eval, 2 metrics x 2 lengths: validation compiled nothing more
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("nitro_ipy: compiled")]
+    assert [line.split()[2] for line in lines] == ["grad", "opt", "eval"] + ["metric:mae", "metric:worst"] * 2
+    assert all("compiled in the background as training started" in line for line in lines[2:])
+    assert "shape: [12] -> [4]" in lines[5]  # compiled in validation's order: its lines are those on demand
+    # The same numbers as metrics compiled on demand.
+    nitro_ipy.cache_reset()
+    _ahead.set_compile_ahead(False)
+    try:
+        again = ns["Nitro"](ns["Scored"](), data=ns["data"], batch_size=12, progress=False).train()
+    finally:
+        _ahead.set_compile_ahead(True)
+    assert _outcomes() == [("eval", "compiled")] + [("metric:mae", "compiled"), ("metric:worst", "compiled")] * 2
+    assert rows == again
+
+
 def test_the_rebuilt_handle_is_served_what_compiled_ahead(ip, capsys):
     _run(ip, EDIT)  # poisons grad and eval (the loss calls `helper`); their replacements start compiling
     assert _ahead.wait(60)
