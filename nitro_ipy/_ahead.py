@@ -36,7 +36,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from . import _cache, _carry, _closure, _compile, _memo, _report, _reuse, _world
+from . import _cache, _carry, _closure, _compile, _memo, _report, _reuse, _sharding, _world
 from ._binding import bind
 from ._compat import compiled_out_avals
 from ._data import split_len
@@ -89,6 +89,7 @@ class Job(NamedTuple):
     after: int = -1  # start once more than this many step loops started (a prefetch: its first step)
     out_shardings: object = None  # on a mesh: where the outputs go, as the handle compiles it
     then: object = None  # `then(entry)` -> the jobs that follow once this one's program exists
+    mesh: object = None  # the handle's mesh: traced under it as the handle's methods trace (`in_mesh`)
 
 
 class Outcome(NamedTuple):
@@ -285,7 +286,7 @@ def plan(wanted: set | None = None) -> list[Job]:
             if model is None:
                 model = _rebound_model(handle, b)
             fn = r.spec.build(b, model, handle.accum, r.hook, **r.fields)
-            jobs.append(Job(key, fn, args, r.spec, b,
+            jobs.append(Job(key, fn, args, r.spec, b, mesh=handle._place.mesh,
                             out_shardings=handle._place.out_shardings(r.spec.kind, args, model)))
     return sorted(jobs, key=lambda j: _ORDER.get(j.spec.kind, len(_ORDER)))
 
@@ -331,7 +332,7 @@ def prefetch_eval(handle) -> bool:
     with _cv:
         if any(j.key == key for j in _queue):
             return False
-        _queue.append(Job(key, fn, args, EVAL, b, _loops, then=then,
+        _queue.append(Job(key, fn, args, EVAL, b, _loops, then=then, mesh=handle._place.mesh,
                           out_shardings=handle._place.out_shardings(EVAL.kind, args, handle._model)))
         _wanted.add(key)
         _start()
@@ -375,7 +376,7 @@ def metric_jobs(handle, eval_entry, split: dict, names: list) -> list:
             args = (dev, outs, fields)
             key = program_key(METRIC, b, args, handle._settings, name)
             if key not in _failed and not _cache.known(key):
-                jobs.append(Job(key, METRIC.build(b, handle._model, handle.accum, name), args, METRIC, b,
+                jobs.append(Job(key, METRIC.build(b, handle._model, handle.accum, name), args, METRIC, b, mesh=place.mesh,
                                 out_shardings=place.out_shardings(METRIC.kind, args, handle._model)))
     return jobs
 
@@ -527,12 +528,13 @@ def _work() -> None:
                     _note(job, "cancelled", order=order)
                 continue
             b = job.binding
-            status, entry, detail = _compile.compile_ahead(
-                job.key, job.fn, job.args, donate_argnums=job.spec.donate,
-                info={"graphconst": b.graphconst.info}, record=_closure.record,
-                compiler_options=job.spec.compiler_options, sources=b.graphconst_sources,
-                out_shardings=job.out_shardings,
-                ahead=_report.BESIDE_TRAINING if job.after >= 0 else _report.AFTER_EDIT)
+            with _sharding.auto_context(job.mesh):
+                status, entry, detail = _compile.compile_ahead(
+                    job.key, job.fn, job.args, donate_argnums=job.spec.donate,
+                    info={"graphconst": b.graphconst.info}, record=_closure.record,
+                    compiler_options=job.spec.compiler_options, sources=b.graphconst_sources,
+                    out_shardings=job.out_shardings,
+                    ahead=_report.BESIDE_TRAINING if job.after >= 0 else _report.AFTER_EDIT)
             follow = _following(job, entry)
             with _cv:
                 if status == "failed" and isinstance(detail, Cancelled):

@@ -241,7 +241,7 @@ class Fit:
 """
 
 
-@pytest.mark.parametrize("layout", ["flat", "sharded"])
+@pytest.mark.parametrize("layout", ["flat", "sharded", "ambient"])
 def test_a_mesh_handle_s_programs_compile_ahead(tmp_path, layout):
     """On a 4-device mesh, as on one device: validation's programs (evaluation, and the device metric at
     both batch lengths of the 70-row split) compile beside the first epoch under the keys validation asks
@@ -260,10 +260,13 @@ def test_a_mesh_handle_s_programs_compile_ahead(tmp_path, layout):
         with contextlib.redirect_stdout(said):
             ip.run_cell(code).raise_error()
         return said.getvalue()
-    kw = {{"flat": "", "sharded": ", flat_params=False, param_sharding=lambda path, shape: "
-          "P(None, 'data') if path == 'w1' else None"}}[{layout!r}]
+    kw = {{"flat": ", mesh=mesh", "ambient": "",
+          "sharded": ", mesh=mesh, flat_params=False, param_sharding=lambda path, shape: "
+                     "P(None, 'data') if path == 'w1' else None"}}[{layout!r}]
+    if {layout!r} == "ambient":  # no `mesh=`: the one `jax.set_mesh` made current (Explicit axes)
+        jax.set_mesh(jax.make_mesh((4,), ("data",)))
     run({AHEAD_CELLS!r})
-    run("n = Nitro(Fit(), data=exp.data(), batch_size=32, max_epochs=1, progress=False, mesh=mesh" + kw + "); rows = n.train()")
+    run("n = Nitro(Fit(), data=exp.data(), batch_size=32, max_epochs=1, progress=False" + kw + "); rows = n.train()")
     _ahead.wait(120)
     first = {{"history": [[o.kind, o.status] for o in _ahead.history()], "stats": list(nitro_ipy.cache_stats()[1:3])}}
     _ahead.reset()
@@ -274,7 +277,7 @@ def test_a_mesh_handle_s_programs_compile_ahead(tmp_path, layout):
     n = ip.user_ns["n"]
     print(json.dumps({{"first": first, "edit": edit, "after": list(nitro_ipy.cache_stats()[1:3]),
                       "compiled": [line for line in said.splitlines() if line.startswith("nitro_ipy: compiled")],
-                      "w1": str(n.params["w1"].sharding.spec), "loss": ip.user_ns["rows"][-1]["loss"],
+                      "w1": str(n.params["w1"].sharding.spec), "devices": len(n.params["w1"].sharding.device_set), "loss": ip.user_ns["rows"][-1]["loss"],
                       "stale": any(e.poisoned for e in n._programs.values())}}))
     """)
     # grad, opt; eval and the metric's two programs in the background (or, where validation got to one
@@ -286,7 +289,7 @@ def test_a_mesh_handle_s_programs_compile_ahead(tmp_path, layout):
     assert out["after"] == [7, 5]  # the rebuilt handle compiled nothing
     assert [line.split()[2] for line in out["compiled"]] == ["grad", "eval"]
     assert all("compiled ahead after your edit" in line for line in out["compiled"])
-    assert out["w1"] == (str(P()) if layout == "flat" else str(P(None, "data")))
+    assert out["w1"] == (str(P(None, "data")) if layout == "sharded" else str(P())) and out["devices"] == 4
     assert np.isfinite(out["loss"]) and not out["stale"]
 
 
