@@ -347,7 +347,8 @@ def eval_key(handle, split: dict, inputs, targets) -> tuple:
     width, place = handle.batch_size, handle._place
 
     def batch(names):  # a zero batch of the width, placed, then only its shapes and shardings kept
-        return _cache.shapes_of(place.batch({k: np.zeros((width,) + split[k].shape[1:], split[k].dtype) for k in names}))
+        zeros = {k: np.zeros((width,) + split[k].shape[1:], split[k].dtype) for k in names}
+        return _cache.shapes_of(place.batch(zeros))
 
     args = _cache.shapes_of((handle._params, handle._model_state, handle._dev)) + (
         batch(inputs), batch(targets), _cache.shapes_of(place.replicate(np.int32(0))))
@@ -372,11 +373,13 @@ def metric_jobs(handle, eval_entry, split: dict, names: list) -> list:
             fields = {k: np.zeros(*shaped(split[k])) for k in b.routes[name].pick(split)}
             dev, outs, fields = _cache.shapes_of((handle._dev, *place.metric_args((outputs, fields))))
             if place.mesh is None:  # the evaluation program's outputs as they are: their weak types kept
-                outs = jax.tree.map(lambda o: jax.ShapeDtypeStruct(*shaped(o), weak_type=bool(o.weak_type)), out_avals[0])
+                outs = jax.tree.map(lambda o: jax.ShapeDtypeStruct(*shaped(o), weak_type=bool(o.weak_type)),
+                                    out_avals[0])
             args = (dev, outs, fields)
             key = program_key(METRIC, b, args, handle._settings, name)
             if key not in _failed and not _cache.known(key):
-                jobs.append(Job(key, METRIC.build(b, handle._model, handle.accum, name), args, METRIC, b, mesh=place.mesh,
+                fn = METRIC.build(b, handle._model, handle.accum, name)
+                jobs.append(Job(key, fn, args, METRIC, b, mesh=place.mesh,
                                 out_shardings=place.out_shardings(METRIC.kind, args, handle._model)))
     return jobs
 

@@ -122,11 +122,13 @@ def compile_program(
 
 def compile_ahead(key, fn, args, *, donate_argnums: tuple = (), info: dict | None = None,
                   record: Callable | None = None, compiler_options: dict | None = None,
-                  sources: dict | None = None, out_shardings=None, ahead: str = _report.AFTER_EDIT) -> tuple:
+                  sources: dict | None = None, out_shardings=None,
+                  ahead: str = _report.AFTER_EDIT) -> tuple:
     """`compile_program` for a background thread (`_ahead`): the same claim, build and store, but it
-    says nothing and raises nothing (`ahead`: why it was built in the background, for its compile line). A program whose dependencies drifted while it compiled is dropped,
+    says nothing and raises nothing. A program whose dependencies drifted while it compiled is dropped,
     not served; a compile that raised leaves the key unclaimed, so the handle that needs the program
     compiles it itself and the error surfaces there, with the user's traceback, as without compiling ahead.
+    `ahead` says on its compile line why it was built in the background (`_report.AFTER_EDIT`, ...).
 
     **Returns:** `(status, entry, detail)`: `("compiled", entry, messages)` (the messages to say later,
     from the main thread), `("had", entry, None)` when the key was live already (counted as a hit, as a
