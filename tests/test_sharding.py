@@ -205,48 +205,13 @@ def test_param_sharding_rule_shards_params_and_their_optimizer_state(tmp_path):
     assert out["edited_misses"] == 2  # grad and eval traced `forward`'s helper; opt and the metrics did not
 
 
-# Compile ahead on a mesh, through a real `InteractiveShell` in the child: the experiment's cell defines a
-# helper the loss calls, and a later cell edits it.
-AHEAD_CELLS = """
-import dataclasses
-import jax, jax.numpy as jnp, optax
-import nitro_ipy
-from nitro_ipy import Device, GraphConst, Nitro
-
-def helper(r):
-    return r ** 2
-
-@dataclasses.dataclass
-class Fit:
-    hidden: GraphConst[int] = 16
-    lr: Device[float] = 1e-2
-
-    def init(self, rng):
-        k1, k2 = jax.random.split(rng)
-        return {"w1": jax.random.normal(k1, (4, self.hidden)) * 0.5,
-                "w2": jax.random.normal(k2, (self.hidden,)) * 0.5}
-
-    def forward(self, params, *, x):
-        return jnp.tanh(x @ params["w1"]) @ params["w2"]
-
-    def loss(self, outputs, *, y):
-        return jnp.mean(helper(outputs - y))
-
-    def optimizer(self):
-        return optax.adam(self.lr)
-
-    @nitro_ipy.metrics("device")
-    def mae(self, outputs, *, y):
-        return {"mae": (jnp.sum(jnp.abs(outputs - y)), outputs.shape[0])}
-"""
-
-
 @pytest.mark.parametrize("layout", ["flat", "sharded", "ambient"])
 def test_a_mesh_handle_s_programs_compile_ahead(tmp_path, layout):
     """On a 4-device mesh, as on one device: validation's programs (evaluation, and the device metric at
     both batch lengths of the 70-row split) compile beside the first epoch under the keys validation asks
     for, an edit's replacements compile in the background with the handle's shardings, and the rebuilt
-    handle is served them (no second compile), placed as before."""
+    handle is served them (no second compile), placed as before. The experiment is this file's, defined
+    in a cell of a real `InteractiveShell` in the child, and a later cell edits the helper its forward calls."""
     out = in_child(tmp_path, f"""
     import contextlib, io, os
     from IPython.core.interactiveshell import InteractiveShell
@@ -254,7 +219,7 @@ def test_a_mesh_handle_s_programs_compile_ahead(tmp_path, layout):
     _ahead.set_compile_ahead(True)  # the suite's children inherit it off
     ip = InteractiveShell.instance()
     ip.run_line_magic("load_ext", "nitro_ipy")
-    ip.user_ns.update(exp=exp, mesh=mesh, P=P)
+    ip.user_ns.update(Nitro=Nitro, mesh=mesh, P=P)
     def run(code):
         said = io.StringIO()
         with contextlib.redirect_stdout(said):
@@ -265,19 +230,20 @@ def test_a_mesh_handle_s_programs_compile_ahead(tmp_path, layout):
                      "P(None, 'data') if path == 'w1' else None"}}[{layout!r}]
     if {layout!r} == "ambient":  # no `mesh=`: the one `jax.set_mesh` made current (Explicit axes)
         jax.set_mesh(jax.make_mesh((4,), ("data",)))
-    run({AHEAD_CELLS!r})
-    run("n = Nitro(Fit(), data=exp.data(), batch_size=32, max_epochs=1, progress=False" + kw + "); rows = n.train()")
+    run({EXPERIMENT!r})
+    run("n = Nitro(Regression(), data=data(), batch_size=32, max_epochs=1, progress=False" + kw + "); rows = n.train()")
     _ahead.wait(120)
     first = {{"history": [[o.kind, o.status] for o in _ahead.history()], "stats": list(nitro_ipy.cache_stats()[1:3])}}
     _ahead.reset()
-    run("def helper(r):\\n    return abs(r)\\n")  # the post-cell hook poisons grad and eval, queues both
+    run("def act(h):\\n    return jnp.tanh(h) * 0.5\\n")  # the post-cell hook poisons grad and eval, queues both
     _ahead.wait(120)
     edit = {{"history": [[o.kind, o.status] for o in _ahead.history()], "stats": list(nitro_ipy.cache_stats()[1:3])}}
     said = run("n = n.rebuild(); rows = n.train()")
     n = ip.user_ns["n"]
     print(json.dumps({{"first": first, "edit": edit, "after": list(nitro_ipy.cache_stats()[1:3]),
                       "compiled": [line for line in said.splitlines() if line.startswith("nitro_ipy: compiled")],
-                      "w1": str(n.params["w1"].sharding.spec), "devices": len(n.params["w1"].sharding.device_set), "loss": ip.user_ns["rows"][-1]["loss"],
+                      "w1": str(n.params["w1"].sharding.spec), "devices": len(n.params["w1"].sharding.device_set),
+                      "loss": ip.user_ns["rows"][-1]["loss"],
                       "stale": any(e.poisoned for e in n._programs.values())}}))
     """)
     # grad, opt; eval and the metric's two programs in the background (or, where validation got to one
