@@ -344,10 +344,11 @@ def start(handle, control: RunControl, work, epochs: int) -> Run:
 
 
 @atexit.register
-def _stop_live_runs():
-    # A daemon thread killed inside an XLA call at exit can crash the process: stop each at its next step.
+def stop_live_runs(reason: str = "the interpreter is exiting"):
+    """Stop every background run at its next step and wait (30 s each) for it to end. At exit: a daemon
+    thread killed inside an XLA call can crash the process."""
     for run in list(_live):
-        run.stop("the interpreter is exiting")
+        run.stop(reason)
     for run in list(_live):
         run._done.wait(30)
 

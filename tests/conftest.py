@@ -15,7 +15,7 @@ import signal
 import pytest
 
 import nitro_ipy
-from nitro_ipy import _ahead, _reuse
+from nitro_ipy import _ahead, _reuse, _runs
 
 
 # Tests press Ctrl-C with real SIGINTs and check the handler the handle puts back: they want what a
@@ -53,6 +53,9 @@ def _fresh_cache():
     with warnings.catch_warnings():
         warnings.simplefilter("error", nitro_ipy.NitroWarning)
         yield
+    # A background run a test left training (it failed before its `run.stop()`) is stopped here: left
+    # running, its step loop holds every later compile ahead and `_reuse.wait` back, and the suite hangs.
+    _runs.stop_live_runs("the test ended")
     nitro_ipy.cache_reset()
     _ahead.wait(60)  # a compile ahead still in flight never spills into the next test's counts
     _reuse.wait(60)  # nor a trace-reuse warming (it is idle work: it runs after the test's last step)
