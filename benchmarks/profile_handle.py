@@ -60,14 +60,20 @@ OUT: dict = {}
 FULL = dict(loop_steps={"tiny": 2000, "deep": 400}, loop_reps=7, dispatch_inner={"tiny": 300, "deep": 20},
             dispatch_rounds=5, recorder_rounds=7, optflags=None, optflag_rounds=5, rebuild_edits=5,
             dot_widths=(16, 32, 64, 128, 256), dot_batches=(8, 64, 256), dot_rounds=7, conv_rounds=5,
-            level_rounds=7)
+            level_rounds=7, conv_cases=None, conv_flags=None, level_cases=None)
 # The quick run's "deep" MLP has 16 layers, not 120: the same code paths, without paying the 120-layer
 # programs' compiles (4 s for its optimizer program alone) in CI's smoke run.
 QUICK = dict(depth=H.QUICK_DEPTH, loop_steps={"tiny": 200, "deep": 40}, loop_reps=3, dispatch_inner={"tiny": 30, "deep": 2},
              dispatch_rounds=1, recorder_rounds=1, optflags=("default", "O0"), optflag_rounds=1, rebuild_edits=2,
              dot_widths=(32, 256), dot_batches=(8,), dot_rounds=2, conv_rounds=1,
-             level_rounds=1)
+             level_rounds=1, conv_cases=("two-conv CNN",), conv_flags=("fusion emitters", "classic O1"),
+             level_cases=("1-layer MLP, 32 wide, batch 32", "two-conv CNN"))
 CFG = FULL
+
+
+def chosen(cases: dict, names) -> dict:
+    """`cases` cut to `names` (all of them when None): the quick run measures a few of a grid."""
+    return cases if names is None else {k: v for k, v in cases.items() if k in names}
 
 
 def arrays() -> int:
@@ -494,12 +500,13 @@ def probe_convflags(cells):
     BatchNorm CNN, of a two-Conv CNN and of an 8-layer MLP, each compiled with the fusion emitters and
     with the classic ones; the process's CPU time of the XLA compile (steadier than wall time on a busy
     machine) and the run time after it, medians of interleaved rounds."""
-    cases = {**flax_cnns(), "8-layer MLP (32 wide)": mlp_loss(16, 32, 8, 64)}
+    cases = chosen({**flax_cnns(), "8-layer MLP (32 wide)": mlp_loss(16, 32, 8, 64)}, CFG["conv_cases"])
     flags = {"fusion emitters": {}, "classic emitters": {"xla_cpu_use_fusion_emitters": False},
              "classic O1": {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1},
              "classic cheap LLVM": {"xla_cpu_use_fusion_emitters": False, "xla_llvm_disable_expensive_passes": True},
              "classic O1 cheap LLVM": {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1,
                                        "xla_llvm_disable_expensive_passes": True}}
+    flags = chosen(flags, CFG["conv_flags"])
     log("convflags: gradient programs, XLA compile CPU time and run time, fusion emitters vs classic")
     out = {}
     for case, (loss, args) in cases.items():
@@ -556,6 +563,7 @@ def probe_levels(cells):
     cases = {"1-layer MLP, 32 wide, batch 32": mlp_loss(8, 32, 1, 32), "8-layer MLP, 32 wide": mlp_loss(16, 32, 8, 64),
              deep: mlp_loss(16, 32, DEEP["depth"], 64), "4-layer MLP, 256 wide": mlp_loss(64, 256, 4, 64),
              "attention, 2 blocks": attention(), "two-conv CNN": flax_cnns()["two-conv CNN"]}
+    cases = chosen(cases, CFG["level_cases"])
     log("levels: gradient programs under nitro's option policy, XLA backend optimization level 3 vs 2")
     out = {}
     stamp = iter(range(10**6))
