@@ -271,23 +271,48 @@ def plan(wanted: set | None = None) -> list[Job]:
         except Exception:  # noqa: BLE001
             continue
         model = None  # made for the first job only: most scans find every key compiled or in flight
+        eval_key, metrics, mine = None, [], []
         for r in list(recipes.values()):
             # Instances of a re-run class cell in the arguments (an Equinox model as the params) take the
             # live class, as `rebuild()` re-binds the training state: else the key is the old program's.
             args = _carry.live_value(r.args)
+            if r.spec is METRIC:  # keyed below, from the evaluation program's outputs
+                metrics += metric_request(r.hook, args)
+                continue
             key = program_key(r.spec, b, args, handle._settings, r.hook)
             if key in _failed:
                 continue
             if wanted is not None:
                 wanted.add(key)  # in flight already counts: a job holding it goes on
+            if r.spec is EVAL and eval_key is None:
+                eval_key = key
             if key in seen or _cache.known(key):
                 continue
             seen.add(key)
             if model is None:
                 model = _rebound_model(handle, b)
             fn = r.spec.build(b, model, handle.accum, r.hook, **r.fields)
-            jobs.append(Job(key, fn, args, r.spec, b, mesh=handle._place.mesh,
+            mine.append(Job(key, fn, args, r.spec, b, mesh=handle._place.mesh,
                             out_shardings=handle._place.out_shardings(r.spec.kind, args, model)))
+        if metrics and eval_key is not None:
+            # A device metric's arguments are the evaluation program's outputs, whose shapes an edit can
+            # change (a forward that now returns another shape): its replacements are keyed from the
+            # replacement evaluation program's outputs, once that program exists, never from the shapes
+            # the old one gave. One in flight already (an earlier scan's job) queues them when it ends.
+            model = _rebound_model(handle, b) if model is None else model
+            ref = weakref.ref(handle)
+            then = lambda entry, b=b, model=model: metric_jobs(ref(), entry, metrics, b, model)  # noqa: E731
+            queued = [i for i, j in enumerate(mine) if j.key == eval_key]
+            if queued:
+                mine[queued[0]] = mine[queued[0]]._replace(then=then)
+            elif _cache.peek(eval_key) is not None:
+                for job in then(_cache.peek(eval_key)):
+                    if wanted is not None:
+                        wanted.add(job.key)
+                    if job.key not in seen:
+                        seen.add(job.key)
+                        mine.append(job)
+        jobs += mine
     return sorted(jobs, key=lambda j: _ORDER.get(j.spec.kind, len(_ORDER)))
 
 
@@ -328,7 +353,12 @@ def prefetch_eval(handle) -> bool:
     fn = EVAL.build(b, handle._model, handle.accum, None, inputs=inputs, targets=targets)
     device_metrics = [name for name, (_, residency) in b.metrics.items() if residency == "device"]
     ref = weakref.ref(handle)
-    then = (lambda entry: metric_jobs(ref(), entry, split, device_metrics)) if device_metrics else None
+    n, width = split_len(split), handle.batch_size
+    lengths = ([width] if n >= width else []) + ([n % width] if n % width else [])  # validation's order
+    requests = [(name, rows, handle._dev, {k: jax.ShapeDtypeStruct((rows,) + split[k].shape[1:], split[k].dtype)
+                                           for k in b.routes[name].pick(split)})
+                for rows in lengths for name in device_metrics]
+    then = (lambda entry: metric_jobs(ref(), entry, requests)) if requests else None
     with _cv:
         if any(j.key == key for j in _queue):
             return False
@@ -355,32 +385,41 @@ def eval_key(handle, split: dict, inputs, targets) -> tuple:
     return program_key(EVAL, handle._binding, args, handle._settings), args
 
 
-def metric_jobs(handle, eval_entry, split: dict, names: list) -> list:
-    """The device metrics' programs `handle._evaluate` resolves over `split` once its evaluation
-    program `eval_entry` exists: one per metric hook and per batch length (full batches, and a shorter
-    last one), their arguments shaped from that program's outputs and sliced and placed as validation
-    slices and places them. [] when the handle is gone or the program does not say its output shapes."""
+def metric_request(name: str, args: tuple) -> list:
+    """`[(name, rows, dev, fields)]` of a device metric's program that ran with `args`: what a
+    replacement keeps (its rows, `Device` values and batch fields) when its outputs' shapes are taken
+    anew; [] when nothing in it has rows (it then compiles on demand)."""
+    dev, outs, fields = args
+    leaves = [a for a in jax.tree.leaves((outs, fields)) if len(a.shape)]
+    return [(name, leaves[0].shape[0], dev, fields)] if leaves else []
+
+
+def metric_jobs(handle, eval_entry, requests: list, b=None, model=None) -> list:
+    """The device metrics' programs `handle._evaluate` resolves once its evaluation program
+    `eval_entry` exists, one per request `(name, rows, dev, fields)` (in validation's order: per batch
+    length, full batches and a shorter last one, each metric hook): their arguments are shaped from that
+    program's outputs, sliced to `rows` and placed as validation slices and places them. Built against
+    binding `b` and `model` (a rebuild's; the handle's own by default). [] when the handle is gone or
+    the program does not say its output shapes."""
     out_avals = None if handle is None else compiled_out_avals(eval_entry.call)
     if out_avals is None:
         return []
-    b, place, width, n = handle._binding, handle._place, handle.batch_size, split_len(split)
-    lengths = ([width] if n >= width else []) + ([n % width] if n % width else [])  # validation's order
-    jobs = []
-    for rows in lengths:
-        shaped = lambda a: ((rows,) + tuple(a.shape[1:]), a.dtype)
+    b, model, place = b or handle._binding, model or handle._model, handle._place
+    jobs, seen = [], set()
+    for name, rows, dev, fields in requests:
+        shaped = lambda a: ((rows,) + tuple(a.shape[1:]), a.dtype)  # noqa: E731
         outputs = jax.tree.map(lambda o: np.zeros(*shaped(o)), out_avals[0])
-        for name in names:
-            fields = {k: np.zeros(*shaped(split[k])) for k in b.routes[name].pick(split)}
-            dev, outs, fields = _cache.shapes_of((handle._dev, *place.metric_args((outputs, fields))))
-            if place.mesh is None:  # the evaluation program's outputs as they are: their weak types kept
-                outs = jax.tree.map(lambda o: jax.ShapeDtypeStruct(*shaped(o), weak_type=bool(o.weak_type)),
-                                    out_avals[0])
-            args = (dev, outs, fields)
-            key = program_key(METRIC, b, args, handle._settings, name)
-            if key not in _failed and not _cache.known(key):
-                fn = METRIC.build(b, handle._model, handle.accum, name)
-                jobs.append(Job(key, fn, args, METRIC, b, mesh=place.mesh,
-                                out_shardings=place.out_shardings(METRIC.kind, args, handle._model)))
+        zeros = {k: np.zeros(f.shape, f.dtype) for k, f in fields.items()}
+        outs, placed = _cache.shapes_of(place.metric_args((outputs, zeros)))
+        if place.mesh is None:  # the evaluation program's outputs as they are: their weak types kept
+            outs = jax.tree.map(lambda o: jax.ShapeDtypeStruct(*shaped(o), weak_type=bool(o.weak_type)),
+                                out_avals[0])
+        args = (_cache.shapes_of(dev), outs, placed)
+        key = program_key(METRIC, b, args, handle._settings, name)
+        if key not in seen and key not in _failed and not _cache.known(key):
+            seen.add(key)
+            jobs.append(Job(key, METRIC.build(b, model, handle.accum, name), args, METRIC, b, mesh=place.mesh,
+                            out_shardings=place.out_shardings(METRIC.kind, args, model)))
     return jobs
 
 
@@ -398,6 +437,8 @@ def _following(job: Job, entry) -> list:
 def _follow(job: Job, jobs: list) -> None:
     """Queue `jobs` (`_following`) at the head, as validation is about to need them; they start when
     `job` could. Under `_cv`."""
+    if job.key not in _wanted:  # a newer edit made `job` stale: what follows it would be too
+        return
     fresh = [j._replace(after=job.after) for j in jobs if j.key not in _wanted]
     _wanted.update(j.key for j in fresh)
     _queue.extendleft(reversed(fresh))

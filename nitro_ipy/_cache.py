@@ -399,6 +399,11 @@ def awaited(key: Key) -> bool:
     return pending is not None and pending.awaited
 
 
+def peek(key: Key) -> Entry | None:
+    """The live entry for `key`, or None, counting nothing (`_ahead` reads a stored program's outputs)."""
+    return _state.entries.get(key)
+
+
 def known(key: Key) -> bool:
     """True when `key` is live or being compiled (nothing counted): `_ahead` need not compile it."""
     return key in _state.entries or key in _state.compiling

@@ -163,6 +163,79 @@ def test_a_fresh_run_compiles_its_device_metrics_beside_the_first_epoch(capsys):
     assert rows == again
 
 
+HEADED = TINY_EXPERIMENT + """
+def head(h, v):
+    return h @ v
+"""
+HEADED_CLASS = """
+@dataclasses.dataclass
+class Headed(Tiny):
+    def forward(self, params, *, x):
+        return head(jnp.tanh(x @ params["w"]), params["v"])
+
+    def loss(self, outputs, *, y):
+        return jnp.mean(helper(outputs.reshape(y.shape[0], -1).mean(-1) - y))
+
+    @nitro_ipy.metrics("device")
+    def mae(self, outputs, *, y):
+        return {"mae": (jnp.sum(jnp.abs(outputs.reshape(y.shape[0], -1).mean(-1) - y)), y.shape[0])}
+"""
+# Edits that make the forward return (rows, 2) instead of (rows,): the helper it calls, its class cell, and
+# its class cell with the metric edited too (whose programs an edit's scan would otherwise key at the shapes
+# the metric last ran at: programs the rebuild never asks for).
+_RESHAPED = HEADED_CLASS.replace('params["v"])\n', 'params["v"])[:, None] * jnp.array([1.0, 3.0])\n')
+RESHAPING = {
+    "helper": "def head(h, v):\n    return (h @ v)[:, None] * jnp.array([1.0, 3.0])\n",
+    "class": _RESHAPED,
+    "class and metric": _RESHAPED.replace("jnp.sum(jnp.abs(", "jnp.sum(jnp.square("),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(RESHAPING))
+def test_an_edit_that_reshapes_the_outputs_compiles_the_metrics_at_the_new_shape(edit, capsys):
+    """A device metric takes the evaluation program's outputs: after an edit that changes their shape,
+    its replacements are keyed from the replacement evaluation program's outputs (not from the shapes
+    the metric last ran at), so the rebuilt handle's validation finds them compiled and nothing compiled
+    ahead goes unused."""
+    shell = InteractiveShell.instance()
+    shell.reset(new_session=False)
+    shell.run_line_magic("load_ext", "nitro_ipy")
+    try:
+        _run(shell, HEADED)
+        _run(shell, HEADED_CLASS)
+        _run(shell, "n = Nitro(Headed(), data=data, batch_size=12, progress=False)\nn.train()")
+        assert _ahead.wait(60)
+        assert _stats() == (5, 5)  # grad, opt, eval, and mae at 12 and at 4 rows (16 to validate)
+        _ahead.reset()
+        before = {id(e) for e in _cache.live_entries()}
+        _run(shell, RESHAPING[edit])
+        assert _ahead.wait(60)
+        made = _outcomes()
+        made_ahead = {id(e) for e in _cache.live_entries()} - before
+        misses = nitro_ipy.cache_stats().misses
+        # the poisoned grad and eval, then mae at 12 and at 4 rows once the new eval says its outputs' shape
+        assert made == [("grad", "compiled"), ("eval", "compiled")] + [("metric:mae", "compiled")] * 2
+        assert misses == 5 + 4
+        capsys.readouterr()
+        _run(shell, "n = n.rebuild()\nrows = n.train()")
+        assert nitro_ipy.cache_stats().misses == misses  # validation found both metrics' programs compiled
+        assert len(made_ahead) == len(made)
+        assert made_ahead <= {id(e) for e in shell.user_ns["n"]._programs.values()}  # each one is used
+        served = shell.user_ns["rows"][-1]["valid_mae"]
+        # The same figure from programs compiled on demand.
+        nitro_ipy.cache_reset()
+        _ahead.set_compile_ahead(False)
+        try:
+            again = shell.user_ns["n"].evaluate("valid")["mae"]
+        finally:
+            _ahead.set_compile_ahead(True)
+        assert served == again
+    finally:
+        shell.run_line_magic("unload_ext", "nitro_ipy")
+        _extension.unload(shell)
+        shell.reset(new_session=False)
+
+
 def test_the_rebuilt_handle_is_served_what_compiled_ahead(ip, capsys):
     _run(ip, EDIT)  # poisons grad and eval (the loss calls `helper`); their replacements start compiling
     assert _ahead.wait(60)
