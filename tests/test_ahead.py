@@ -300,6 +300,13 @@ def test_a_compile_ahead_waits_while_a_step_loop_runs(ip, capsys):
     _ahead.reset()  # m's own evaluation prefetch is not this test's
     misses = _stats()[0]
     _run(ip, "run = m.train(background=True)")  # trains until stopped
+    # Its loop holds compiles back from its first step on: the edit comes after that (on a loaded machine
+    # the run's thread can still be starting when a quick cell ends).
+    for _ in range(600):
+        if _ahead._running:
+            break
+        time.sleep(0.05)
+    assert _ahead._running == 1
     _run(ip, EDIT)  # n's grad and eval are due ahead, while m's steps run
     time.sleep(6 * _ahead.QUIET_S)
     assert ip.user_ns["run"].status == "running"
