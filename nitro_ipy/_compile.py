@@ -186,6 +186,10 @@ class FirstRun:
         self.entry, self.donate, self.rebuild = entry, tuple(donate_argnums), rebuild
         self.compiled = entry.call
 
+    @property
+    def out_info(self):  # what the executable says of its outputs (`_compat.compiled_out_avals`)
+        return self.compiled.out_info
+
     def __call__(self, *args):
         entry = self.entry
         safe = tuple(jax.device_put(a, may_alias=False) if i in self.donate else a for i, a in enumerate(args))

@@ -19,7 +19,7 @@ import optax
 import pytest
 
 import nitro_ipy
-from nitro_ipy import Device, GraphConst, Nitro, _report, _stats, _store
+from nitro_ipy import Device, GraphConst, Nitro, _ahead, _report, _stats, _store
 
 
 @pytest.fixture
@@ -110,6 +110,49 @@ def test_a_stored_program_loads_after_a_reset_and_counts_as_a_miss(store, messag
     assert [r.state for r in table.rows] == ["live, from disk"] * 3
     assert repr(table).splitlines()[-1].startswith("nitro_ipy program store: 3 programs, ")
     assert repr(table).splitlines()[-1].endswith(f"in {store} ({_store.loaded_count} loaded from disk this session)")
+
+
+@dataclasses.dataclass
+class Scored(Tiny):
+    @nitro_ipy.metrics("device")
+    def mae(self, outputs, *, y):
+        return {"mae": (jnp.sum(jnp.abs(outputs - y)), outputs.shape[0])}
+
+
+def test_after_a_restart_the_metrics_load_in_the_background_after_the_evaluation_program(store, messages, monkeypatch):
+    """With compile ahead on, a run after a restart loads its evaluation program in the background as
+    it trains, and then its device metrics' programs (one per batch length: 16 rows at batch 12), keyed
+    from the loaded program's outputs: validation loads nothing itself."""
+    def run():
+        return Nitro(Scored(), data=DATA, batch_size=12, max_epochs=1, progress=False).train()
+
+    previous = _ahead.set_compile_ahead(True)
+    try:
+        first = run()
+        assert _ahead.wait(60)
+        nitro_ipy.cache_reset()
+        _ahead.reset()
+        messages.clear()
+        waited, stepping = [], _ahead.stepping
+
+        def first_step_waits(running):  # the first step is done: let the background finish before step 2
+            stepping(running)
+            if running and not waited:
+                waited.append(_ahead.wait(60))
+
+        monkeypatch.setattr(_ahead, "stepping", first_step_waits)
+        second = run()
+    finally:
+        _ahead.set_compile_ahead(previous)
+    assert waited == [True]
+    assert [(o.kind, o.status) for o in _ahead.history()] == [("eval", "compiled"), ("metric:mae", "compiled"),
+                                                              ("metric:mae", "compiled")]
+    lines = _compiles(messages)
+    assert [t.split()[2] for t in lines] == ["grad", "opt", "eval", "metric:mae", "metric:mae"]
+    assert all(" from disk in " in t for t in lines), lines
+    stats = nitro_ipy.cache_stats()
+    assert stats.misses == stats.entries == 5
+    assert second == first
 
 
 def test_a_stale_stored_program_is_never_loaded(store, messages):
