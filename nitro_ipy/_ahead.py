@@ -303,10 +303,11 @@ def plan(wanted: set | None = None) -> list[Job]:
             ref = weakref.ref(handle)
             then = lambda entry, b=b, model=model: metric_jobs(ref(), entry, metrics, b, model)  # noqa: E731
             queued = [i for i, j in enumerate(mine) if j.key == eval_key]
+            stored = _cache.peek(eval_key)
             if queued:
                 mine[queued[0]] = mine[queued[0]]._replace(then=then)
-            elif _cache.peek(eval_key) is not None:
-                for job in then(_cache.peek(eval_key)):
+            elif stored is not None:
+                for job in then(stored):
                     if wanted is not None:
                         wanted.add(job.key)
                     if job.key not in seen:
