@@ -300,8 +300,7 @@ def plan(wanted: set | None = None) -> list[Job]:
             # replacement evaluation program's outputs, once that program exists, never from the shapes
             # the old one gave. One in flight already (an earlier scan's job) queues them when it ends.
             model = _rebound_model(handle, b) if model is None else model
-            ref = weakref.ref(handle)
-            then = lambda entry, b=b, model=model: metric_jobs(ref(), entry, metrics, b, model)  # noqa: E731
+            then = _metrics_after(handle, metrics, b, model)
             queued = [i for i, j in enumerate(mine) if j.key == eval_key]
             stored = _cache.peek(eval_key)
             if queued:
@@ -353,13 +352,12 @@ def prefetch_eval(handle) -> bool:
         return False
     fn = EVAL.build(b, handle._model, handle.accum, None, inputs=inputs, targets=targets)
     device_metrics = [name for name, (_, residency) in b.metrics.items() if residency == "device"]
-    ref = weakref.ref(handle)
     n, width = split_len(split), handle.batch_size
     lengths = ([width] if n >= width else []) + ([n % width] if n % width else [])  # validation's order
     requests = [(name, rows, handle._dev, {k: jax.ShapeDtypeStruct((rows,) + split[k].shape[1:], split[k].dtype)
                                            for k in b.routes[name].pick(split)})
                 for rows in lengths for name in device_metrics]
-    then = (lambda entry: metric_jobs(ref(), entry, requests)) if requests else None
+    then = _metrics_after(handle, requests) if requests else None
     with _cv:
         if any(j.key == key for j in _queue):
             return False
@@ -393,6 +391,13 @@ def metric_request(name: str, args: tuple) -> list:
     dev, outs, fields = args
     leaves = [a for a in jax.tree.leaves((outs, fields)) if len(a.shape)]
     return [(name, leaves[0].shape[0], dev, fields)] if leaves else []
+
+
+def _metrics_after(handle, requests: list, b=None, model=None):
+    """An evaluation job's `then`: `metric_jobs` of `requests` once its program exists, for `handle`
+    (held weakly) as it is then."""
+    ref = weakref.ref(handle)
+    return lambda entry: metric_jobs(ref(), entry, requests, b, model)
 
 
 def metric_jobs(handle, eval_entry, requests: list, b=None, model=None) -> list:

@@ -243,6 +243,33 @@ def test_an_edit_that_reshapes_the_outputs_compiles_the_metrics_at_the_new_shape
         shell.reset(new_session=False)
 
 
+def test_two_stale_handles_each_get_their_own_metric_programs_ahead(capsys):
+    """One scan, two stale handles of other batch widths (12: metrics at 12 and 4 rows; 8: at 8 rows):
+    each one's metric programs are keyed from its own evaluation program and its own validation slices."""
+    shell = InteractiveShell.instance()
+    shell.reset(new_session=False)
+    shell.run_line_magic("load_ext", "nitro_ipy")
+    try:
+        _run(shell, HEADED)
+        _run(shell, HEADED_CLASS)
+        _run(shell, "n = Nitro(Headed(), data=data, batch_size=12, progress=False)\nn.train()\n"
+                    "n2 = Nitro(Headed(), data=data, batch_size=8, progress=False)\nn2.train()")
+        assert _ahead.wait(60)
+        misses = nitro_ipy.cache_stats().misses
+        _ahead.reset()
+        _run(shell, RESHAPING["helper"][0])
+        assert _ahead.wait(60)
+        made = sorted(_outcomes())
+        assert made == sorted([("grad", "compiled"), ("eval", "compiled")] * 2 + [("metric:mae", "compiled")] * 3)
+        misses += len(made)
+        _run(shell, "n = n.rebuild()\nn.train()\nn2 = n2.rebuild()\nn2.train()")
+        assert nitro_ipy.cache_stats().misses == misses  # neither validation compiled a metric itself
+    finally:
+        shell.run_line_magic("unload_ext", "nitro_ipy")
+        _extension.unload(shell)
+        shell.reset(new_session=False)
+
+
 def test_the_rebuilt_handle_is_served_what_compiled_ahead(ip, capsys):
     _run(ip, EDIT)  # poisons grad and eval (the loss calls `helper`); their replacements start compiling
     assert _ahead.wait(60)
