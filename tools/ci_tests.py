@@ -95,9 +95,9 @@ def install(version: str, exe: str, fresh: bool, once: bool = True) -> Path:
     # Captured: it runs beside the other lane's tests, whose output it would break up. Shown whole when it
     # fails.
     extra = "test" if once else "test-core"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPATH")}
     for step in ([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile", "-e",
                   f"{ROOT}[{extra}]"], [str(py), "-c", f"import {WARM}"]):
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPATH")}
         done = subprocess.run(step, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if done.returncode != 0:
             say(done.stdout)
@@ -138,12 +138,12 @@ def run_tests(version: str, py: Path, pytest_args: list, once: bool = True, live
     return {"rc": rc, **counts}
 
 
-def lane(installs: dict, args, first: bool, live: bool) -> list:
-    """Test each Python of `installs` (version -> the future of its install) in turn, once installed; the
-    first Python's lane (`first`) runs the once-per-CI tests on its first version. Returns (version,
-    result) pairs, a result being None when the install failed."""
+def lane(installs: dict, args, once: str | None, live: bool) -> list:
+    """Test each Python of `installs` (version -> the future of its install) in turn, once installed;
+    version `once` runs the once-per-CI tests too. Returns (version, result) pairs, a result being None
+    when the install failed."""
     out = []
-    for i, (version, installed) in enumerate(installs.items()):
+    for version, installed in installs.items():
         try:
             py = installed.result()
         except subprocess.CalledProcessError as err:
@@ -151,7 +151,7 @@ def lane(installs: dict, args, first: bool, live: bool) -> list:
             out.append((version, None))
             continue
         if not args.install_only:
-            out.append((version, run_tests(version, py, args.pytest_args, once=first and i == 0, live=live)))
+            out.append((version, run_tests(version, py, args.pytest_args, once=version == once, live=live)))
     return out
 
 
@@ -175,16 +175,16 @@ def main(argv=None) -> int:
             failed_versions.append(version)
     # One install at a time, in order, in the background (each writes this checkout's egg-info).
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as installer:
-        installs = {v: installer.submit(install, v, exe, args.fresh, once=i == 0)
-                    for i, (v, exe) in enumerate(found.items())}
-        versions = list(installs)
+        versions = list(found)
+        once = versions[0] if versions else None  # the first Python found runs the once-per-CI tests
+        installs = {v: installer.submit(install, v, exe, args.fresh, once=v == once) for v, exe in found.items()}
         if args.serial or (os.cpu_count() or 1) < 2 or len(versions) < 2:
-            results = lane(installs, args, first=True, live=True)
+            results = lane(installs, args, once, live=True)
         else:
             rest = {v: installs[v] for v in versions[1:]}
             with concurrent.futures.ThreadPoolExecutor(max_workers=1) as second_lane:
-                later = second_lane.submit(lane, rest, args, False, False)
-                results = lane({versions[0]: installs[versions[0]]}, args, first=True, live=True)
+                later = second_lane.submit(lane, rest, args, once, False)
+                results = lane({versions[0]: installs[versions[0]]}, args, once, live=True)
                 results += later.result()
     totals = {}
     for version, result in sorted(results, key=lambda r: VERSIONS.index(r[0])):
