@@ -37,20 +37,26 @@ def _ahead_on():
     _ahead.set_compile_ahead(previous)
 
 
-@pytest.fixture
-def ip(capsys):
+def _shell(*cells):
+    """The IPython shell with nitro_ipy loaded and `cells` run; unloaded again after the test."""
     shell = InteractiveShell.instance()
     shell.reset(new_session=False)
     shell.run_line_magic("load_ext", "nitro_ipy")
-    _run(shell, EXPERIMENT)
-    _run(shell, "n.train()")
-    assert _ahead.wait(60)
-    _ahead.reset()
-    capsys.readouterr()
+    for cell in cells:
+        _run(shell, cell)
     yield shell
     shell.run_line_magic("unload_ext", "nitro_ipy")
     _extension.unload(shell)
     shell.reset(new_session=False)
+
+
+@pytest.fixture
+def ip(capsys):
+    for shell in _shell(EXPERIMENT, "n.train()"):
+        assert _ahead.wait(60)
+        _ahead.reset()
+        capsys.readouterr()
+        yield shell
 
 
 def _outcomes():
@@ -197,77 +203,64 @@ RESHAPING = {
 }
 
 
+@pytest.fixture
+def headed():
+    """A shell with the `Headed` experiment's cells run (no handle yet)."""
+    yield from _shell(HEADED, HEADED_CLASS)
+
+
 @pytest.mark.parametrize("edit", sorted(RESHAPING))
-def test_an_edit_that_reshapes_the_outputs_compiles_the_metrics_at_the_new_shape(edit, capsys):
+def test_an_edit_that_reshapes_the_outputs_compiles_the_metrics_at_the_new_shape(edit, headed, capsys):
     """A device metric takes the evaluation program's outputs: after an edit that changes their shape,
     its replacements are keyed from the replacement evaluation program's outputs (not from the shapes
     the metric last ran at), so the rebuilt handle's validation finds them compiled and nothing compiled
     ahead goes unused."""
     cell, first = RESHAPING[edit]
-    shell = InteractiveShell.instance()
-    shell.reset(new_session=False)
-    shell.run_line_magic("load_ext", "nitro_ipy")
+    shell = headed
+    _run(shell, "n = Nitro(Headed(), data=data, batch_size=12, progress=False)\nn.train()")
+    assert _ahead.wait(60)
+    assert _stats() == (5, 5)  # grad, opt, eval, and mae at 12 and at 4 rows (16 to validate)
+    _ahead.reset()
+    before = {id(e) for e in _cache.live_entries()}
+    _run(shell, cell)
+    assert _ahead.wait(60)
+    made = _outcomes()
+    made_ahead = {id(e) for e in _cache.live_entries()} - before
+    misses = nitro_ipy.cache_stats().misses
+    # the poisoned grad and eval, then mae at 12 and at 4 rows once the new eval says its outputs' shape
+    assert made == first + [("metric:mae", "compiled")] * 2
+    assert misses == 5 + len(made)
+    capsys.readouterr()
+    _run(shell, "n = n.rebuild()\nrows = n.train()")
+    assert nitro_ipy.cache_stats().misses == misses  # validation found both metrics' programs compiled
+    assert len(made_ahead) == len(made)
+    assert made_ahead <= {id(e) for e in shell.user_ns["n"]._programs.values()}  # each one is used
+    served = shell.user_ns["rows"][-1]["valid_mae"]
+    # The same figure from programs compiled on demand.
+    nitro_ipy.cache_reset()
+    _ahead.set_compile_ahead(False)
     try:
-        _run(shell, HEADED)
-        _run(shell, HEADED_CLASS)
-        _run(shell, "n = Nitro(Headed(), data=data, batch_size=12, progress=False)\nn.train()")
-        assert _ahead.wait(60)
-        assert _stats() == (5, 5)  # grad, opt, eval, and mae at 12 and at 4 rows (16 to validate)
-        _ahead.reset()
-        before = {id(e) for e in _cache.live_entries()}
-        _run(shell, cell)
-        assert _ahead.wait(60)
-        made = _outcomes()
-        made_ahead = {id(e) for e in _cache.live_entries()} - before
-        misses = nitro_ipy.cache_stats().misses
-        # the poisoned grad and eval, then mae at 12 and at 4 rows once the new eval says its outputs' shape
-        assert made == first + [("metric:mae", "compiled")] * 2
-        assert misses == 5 + len(made)
-        capsys.readouterr()
-        _run(shell, "n = n.rebuild()\nrows = n.train()")
-        assert nitro_ipy.cache_stats().misses == misses  # validation found both metrics' programs compiled
-        assert len(made_ahead) == len(made)
-        assert made_ahead <= {id(e) for e in shell.user_ns["n"]._programs.values()}  # each one is used
-        served = shell.user_ns["rows"][-1]["valid_mae"]
-        # The same figure from programs compiled on demand.
-        nitro_ipy.cache_reset()
-        _ahead.set_compile_ahead(False)
-        try:
-            again = shell.user_ns["n"].evaluate("valid")["mae"]
-        finally:
-            _ahead.set_compile_ahead(True)
-        assert served == again
+        again = shell.user_ns["n"].evaluate("valid")["mae"]
     finally:
-        shell.run_line_magic("unload_ext", "nitro_ipy")
-        _extension.unload(shell)
-        shell.reset(new_session=False)
+        _ahead.set_compile_ahead(True)
+    assert served == again
 
 
-def test_two_stale_handles_each_get_their_own_metric_programs_ahead(capsys):
+def test_two_stale_handles_each_get_their_own_metric_programs_ahead(headed):
     """One scan, two stale handles of other batch widths (12: metrics at 12 and 4 rows; 8: at 8 rows):
     each one's metric programs are keyed from its own evaluation program and its own validation slices."""
-    shell = InteractiveShell.instance()
-    shell.reset(new_session=False)
-    shell.run_line_magic("load_ext", "nitro_ipy")
-    try:
-        _run(shell, HEADED)
-        _run(shell, HEADED_CLASS)
-        _run(shell, "n = Nitro(Headed(), data=data, batch_size=12, progress=False)\nn.train()\n"
-                    "n2 = Nitro(Headed(), data=data, batch_size=8, progress=False)\nn2.train()")
-        assert _ahead.wait(60)
-        misses = nitro_ipy.cache_stats().misses
-        _ahead.reset()
-        _run(shell, RESHAPING["helper"][0])
-        assert _ahead.wait(60)
-        made = sorted(_outcomes())
-        assert made == sorted([("grad", "compiled"), ("eval", "compiled")] * 2 + [("metric:mae", "compiled")] * 3)
-        misses += len(made)
-        _run(shell, "n = n.rebuild()\nn.train()\nn2 = n2.rebuild()\nn2.train()")
-        assert nitro_ipy.cache_stats().misses == misses  # neither validation compiled a metric itself
-    finally:
-        shell.run_line_magic("unload_ext", "nitro_ipy")
-        _extension.unload(shell)
-        shell.reset(new_session=False)
+    _run(headed, "n = Nitro(Headed(), data=data, batch_size=12, progress=False)\nn.train()\n"
+                 "n2 = Nitro(Headed(), data=data, batch_size=8, progress=False)\nn2.train()")
+    assert _ahead.wait(60)
+    misses = nitro_ipy.cache_stats().misses
+    _ahead.reset()
+    _run(headed, RESHAPING["helper"][0])
+    assert _ahead.wait(60)
+    made = sorted(_outcomes())
+    assert made == sorted([("grad", "compiled"), ("eval", "compiled")] * 2 + [("metric:mae", "compiled")] * 3)
+    misses += len(made)
+    _run(headed, "n = n.rebuild()\nn.train()\nn2 = n2.rebuild()\nn2.train()")
+    assert nitro_ipy.cache_stats().misses == misses  # neither validation compiled a metric itself
 
 
 def test_the_rebuilt_handle_is_served_what_compiled_ahead(ip, capsys):
