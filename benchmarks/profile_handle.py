@@ -4,7 +4,7 @@ Each probe isolates one cost with a micro-benchmark (best-of-N and median, on th
 stated) so it can be re-measured after a change:
 
     python3 benchmarks/profile_handle.py            # every probe (~4 min on 2 cores)
-    python3 benchmarks/profile_handle.py loop dispatch recorder optflags rebuild dots convflags levels
+    python3 benchmarks/profile_handle.py loop dispatch recorder optflags rebuild dots convflags levels floor
     python3 benchmarks/profile_handle.py --quick    # every probe, few repetitions, 16 layers: CI's smoke run
     python3 benchmarks/profile_handle.py --json out.json   # also write the measurements as JSON (`-`: stdout)
 
@@ -27,11 +27,16 @@ stated) so it can be re-measured after a change:
   `_compile.CONVOLUTION_OPTIONS`.
 - `levels`: compile time and run time of gradient programs over a grid of models (MLPs, attention, a CNN)
   at XLA's backend optimization level 3 and 2: the data behind `_compile.LEVEL`.
+- `floor`: what XLA:CPU charges any loop on the deep MLP, whoever writes it: the gradient program's
+  kernels (thunks) and its run time per kernel, the cost of passing its parameter arrays one by one (a
+  program that reads none of them) and of updating them one by one (242 donated arrays + 1, against one
+  flat buffer of the same size): the floor under nitro's steady-state step.
 """
 
 import argparse
 import gc
 import os
+import re
 import statistics
 import sys
 import time
@@ -49,7 +54,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import nitro_ipy  # noqa: E402
-from nitro_ipy import Nitro, _cache, _compile, _guard, _programs, _report  # noqa: E402
+from nitro_ipy import Nitro, _ahead, _cache, _compile, _guard, _programs, _report, _reuse  # noqa: E402
 
 DEEP = dict(in_dim=16, width=32, depth=120, batch=64)
 TINY = dict(in_dim=8, width=32, depth=1, batch=32)
@@ -597,9 +602,57 @@ def probe_levels(cells):
     OUT["levels"] = out
 
 
+def probe_floor(cells):
+    log(f"floor: per-kernel and per-array costs of XLA:CPU at {arrays()} arrays (nitro's own programs and "
+        "stand-ins)")
+    nitro_ipy.cache_reset()
+    n, data, ent = handle_for(cells, DEEP, name="Floor")
+    _ahead.wait(), _reuse.wait()  # the handle's background compiles would share the 2 cores with the timing
+    G = ent["grad"].call
+    hlo = G.as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    kernels = {op: len(re.findall(rf"= \S+ {op}\(", entry)) for op in ("fusion", "dot", "concatenate")}
+    bs = DEEP["batch"]
+    batch = jax.device_put({"x": data["x"][:bs], "y": data["y"][:bs]})
+    params, dev, inner = n._params, n._dev, CFG["dispatch_inner"]["deep"]
+    grad = best(lambda: jax.block_until_ready(G(params, None, dev, batch, None)), CFG["dispatch_rounds"], inner)
+    flat = jnp.concatenate([jnp.ravel(a) for a in jax.tree.leaves(params)])
+    # padded to a multiple of 8: XLA:CPU's fusion emitters run an elementwise kernel over an odd-sized
+    # buffer about 4x slower (126241 floats: 187 us, 126240: 44 us), which is not what this measures
+    flat = jnp.pad(flat, (0, -flat.size % 8))
+    x = batch["x"]
+    reads = {"one array": (jax.jit(lambda p, x: x[0, 0] + 1).lower(flat, x).compile(), flat),
+             f"{arrays()} arrays": (jax.jit(lambda p, x: x[0, 0] + 1).lower(params, x).compile(), params)}
+    many = max(50, inner * 10)
+    call = {k: best(lambda c=c, a=a: c(a, x), CFG["dispatch_rounds"], many, lambda: None) for k, (c, a) in reads.items()}
+    step = jax.jit(lambda p: jax.tree.map(lambda a: a * 0.999 + 1e-3, p), donate_argnums=0)
+    held = {"one array": [jnp.array(flat)], f"{arrays()} arrays": [jax.tree.map(jnp.array, params)]}
+    programs = {k: step.lower(h[0]).compile() for k, h in held.items()}
+
+    def update(k):
+        def f():
+            held[k][0] = programs[k](held[k][0])
+        return f
+
+    upd = {k: best(update(k), CFG["dispatch_rounds"], many, lambda k=k: jax.block_until_ready(held[k][0]))
+           for k in held}
+    count = sum(kernels[k] for k in ("fusion", "dot", "concatenate"))
+    out = {"grad_kernels": kernels, "grad_us": grad["median_us"], "grad_us_per_kernel": grad["median_us"] / count,
+           "call_us": {k: v["median_us"] for k, v in call.items()},
+           "update_us": {k: v["median_us"] for k, v in upd.items()}}
+    log(f"   gradient program: {kernels['dot']} multiplies + {kernels['fusion']} fusions + "
+        f"{kernels['concatenate']} concatenation; {grad['median_us']:.0f} us a call, "
+        f"{out['grad_us_per_kernel']:.2f} us a kernel")
+    for k in reads:
+        log(f"   a program that reads none of its inputs, given {k:<12} {call[k]['median_us']:>8.1f} us a call")
+    for k in held:
+        log(f"   update {k:<12} in place (donated, a * 0.999 + 1e-3)        {upd[k]['median_us']:>8.1f} us a call")
+    OUT["floor"] = out
+
+
 PROBES = {"loop": probe_loop, "dispatch": probe_dispatch, "recorder": probe_recorder,
           "optflags": probe_optflags, "rebuild": probe_rebuild, "dots": probe_dots,
-          "convflags": probe_convflags, "guard": probe_guard, "levels": probe_levels}
+          "convflags": probe_convflags, "guard": probe_guard, "levels": probe_levels, "floor": probe_floor}
 
 
 def main(argv=None) -> int:
