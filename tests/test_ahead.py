@@ -696,3 +696,99 @@ def test_the_interpreter_s_exit_waits_for_a_background_trace(tmp_path, worker):
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[-1] == "busy at exit: True"
     assert mark.read_text() == "trace finished\n"
+
+
+# A model library's module whose class cell is edited so its outputs gain a trailing axis of 2, with a
+# device metric that reads them: the metric programs made ahead are keyed from the new evaluation program.
+LIBRARY_MODELS = {
+    "equinox": """
+import equinox as eqx
+
+class Head(eqx.Module):
+    mlp: eqx.nn.MLP
+
+    def __call__(self, x):
+        return SHAPED(jax.vmap(self.mlp)(x)[:, 0])
+
+def init_head(rng, width):
+    return Head(eqx.nn.MLP(3, 1, width, 1, key=rng))
+
+def run_head(params, graph, x):
+    return params(x)
+""",
+    "nnx": """
+from flax import nnx
+
+class Head(nnx.Module):
+    def __init__(self, width, rngs):
+        self.lin = nnx.Linear(3, width, rngs=rngs)
+        self.out = nnx.Linear(width, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return SHAPED(self.out(jnp.tanh(self.lin(x)))[:, 0])
+
+def init_head(rng, width):
+    return nnx.split(Head(width, nnx.Rngs(rng)), nnx.Param)[1]
+
+def run_head(params, graph, x):
+    return nnx.merge(graph, params)(x)
+""",
+}
+LIBRARY_EXPERIMENT = """
+@dataclasses.dataclass
+class Lib:
+    graph: GraphConst[object] = None
+    width: GraphConst[int] = 4
+
+    def init(self, rng):
+        return init_head(rng, self.width)
+
+    def forward(self, params, *, x):
+        return run_head(params, self.graph, x)
+
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs.reshape(y.shape[0], -1).mean(-1) - y) ** 2)
+
+    @nitro_ipy.metrics("device")
+    def mae(self, outputs, *, y):
+        return {"mae": (jnp.sum(jnp.abs(outputs.reshape(y.shape[0], -1).mean(-1) - y)), y.shape[0])}
+"""
+
+
+@pytest.mark.parametrize("library", sorted(LIBRARY_MODELS))
+def test_a_library_module_edit_that_reshapes_the_outputs_compiles_the_metrics_at_the_new_shape(library, ip, capsys):
+    """An Equinox module (the params) or a Flax NNX module (its GraphDef a GraphConst) whose `__call__`
+    now returns `(rows, 2)`: after its cell re-runs, the replacement grad and eval programs, then the
+    metric's at 12 and 4 rows shaped from the new eval program, compile ahead; the rebuilt handle's
+    epoch and validation compile nothing, and the metric reads what one compiled on demand reads."""
+    # (each library its own class names: the other one's entries must not be what a miss is explained against)
+    cells = lambda src: src.replace("Head", f"Head_{library}").replace("Lib", f"Lib_{library}")  # noqa: E731
+    model = cells(LIBRARY_MODELS[library])
+    graph = "nnx.split(Head(4, nnx.Rngs(0)), nnx.Param)[0]" if library == "nnx" else "None"
+    _run(ip, model.replace("SHAPED", "") + cells(LIBRARY_EXPERIMENT))
+    _run(ip, cells(f"m = Nitro(Lib({graph}), data=data, batch_size=12, progress=False)\nm.train()"))
+    assert _ahead.wait(60)
+    _ahead.reset()
+    before = _stats()[0]
+    _run(ip, model.replace("SHAPED", "(lambda o: o[:, None] * jnp.array([1.0, 3.0]))"))
+    assert _ahead.wait(60)
+    # An NNX GraphDef names the module's class, so the GraphConst moved and the optimizer recompiles too.
+    programs = ["grad", "opt", "eval"] if library == "nnx" else ["grad", "eval"]
+    assert _outcomes() == [(kind, "compiled") for kind in programs] + [("metric:mae", "compiled")] * 2
+    made = _stats()[0]
+    assert made == before + len(programs) + 2
+    capsys.readouterr()
+    _run(ip, "m = m.rebuild()\nrows = m.train()")
+    assert _stats()[0] == made  # every program, both metric lengths too, was served
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("nitro_ipy: compiled")]
+    assert [line.split()[2] for line in lines] == programs + ["metric:mae", "metric:mae"]
+    assert all("compiled ahead after your edit" in line for line in lines)
+    assert np.shape(ip.user_ns["m"].predict({"x": ip.user_ns["X"][48:]})) == (16, 2)
+    served = ip.user_ns["rows"][-1]["valid_mae"]
+    nitro_ipy.cache_reset()
+    _ahead.set_compile_ahead(False)
+    try:
+        again = ip.user_ns["m"].evaluate("valid")["mae"]
+    finally:
+        _ahead.set_compile_ahead(True)
+    assert served == again
