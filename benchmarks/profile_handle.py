@@ -30,7 +30,9 @@ stated) so it can be re-measured after a change:
 - `floor`: what XLA:CPU charges any loop on the deep MLP, whoever writes it: the gradient program's
   kernels (thunks) and its run time per kernel, the cost of passing its parameter arrays one by one (a
   program that reads none of them) and of updating them one by one (242 donated arrays + 1, against one
-  flat buffer of the same size): the floor under nitro's steady-state step.
+  flat buffer of the same size): the floor under nitro's steady-state step. Then nitro's step (its grad and
+  opt programs) against one program that carries the parameters as one flat buffer, and that program's
+  compile time.
 """
 
 import argparse
@@ -636,10 +638,46 @@ def probe_floor(cells):
 
     upd = {k: best(update(k), CFG["dispatch_rounds"], many, lambda k=k: jax.block_until_ready(held[k][0]))
            for k in held}
+    fp_size = lambda lay: sum(size for _, size in lay.offsets.values())  # noqa: E731
+    # nitro's step (its two programs, as the step loop calls them) against one program that carries the
+    # parameters as one flat buffer and slices them apart itself: what the per-array costs leave on the table,
+    # and the XLA compile that buys it
+    O = ent["opt"].call
+    nst = [jax.tree.map(jnp.array, params), n._opt_state,
+           _guard.fresh(_guard.n_parts(n._layout, n._model.split.trainable(params), dev))]
+
+    def nitro_step():
+        fg, loss, _ = G(nst[0], None, dev, batch, None)
+        nst[0], nst[1], nst[2] = O(nst[0], fg, nst[1], dev, loss, nst[2])
+
+    layout, tx = n._layout, optax.adam(1e-3)
+    loss_of, _ = mlp_loss(DEEP["in_dim"], DEEP["width"], DEEP["depth"], bs)
+
+    def fused(fp, opt_state, x, y):  # (the buffer padded to a multiple of 8, as above)
+        tree = layout.unravel({"float32": fp})
+        value, grads = jax.value_and_grad(loss_of)(tree, x, y)
+        flat_grads = layout.ravel(grads)["float32"]
+        updates, opt_state = tx.update(jnp.pad(flat_grads, (0, fp.size - flat_grads.size)), opt_state)
+        return optax.apply_updates(fp, updates), opt_state, value
+
+    fp = jnp.pad(layout.ravel(params)["float32"], (0, -fp_size(layout) % 8))
+    t0 = time.perf_counter()
+    F = jax.jit(fused, donate_argnums=(0, 1)).lower(fp, tx.init(fp), x, batch["y"]).compile(
+        compiler_options=_compile.program_options(jax.make_jaxpr(fused)(fp, tx.init(fp), x, batch["y"]).jaxpr))
+    fused_xla_s = time.perf_counter() - t0
+    fst = [jnp.array(fp), tx.init(fp)]
+
+    def fused_step():
+        fst[0], fst[1], _ = F(fst[0], fst[1], x, batch["y"])
+
+    steps = {"nitro's grad + opt programs": best(nitro_step, CFG["dispatch_rounds"], inner, lambda: jax.block_until_ready(nst)),
+             "one program over a flat buffer": best(fused_step, CFG["dispatch_rounds"], inner,
+                                                    lambda: jax.block_until_ready(fst))}
     count = sum(kernels[k] for k in ("fusion", "dot", "concatenate"))
     out = {"grad_kernels": kernels, "grad_us": grad["median_us"], "grad_us_per_kernel": grad["median_us"] / count,
            "call_us": {k: v["median_us"] for k, v in call.items()},
-           "update_us": {k: v["median_us"] for k, v in upd.items()}}
+           "update_us": {k: v["median_us"] for k, v in upd.items()},
+           "step_us": {k: v["median_us"] for k, v in steps.items()}, "flat_step_compile_s": fused_xla_s}
     log(f"   gradient program: {kernels['dot']} multiplies + {kernels['fusion']} fusions + "
         f"{kernels['concatenate']} concatenation; {grad['median_us']:.0f} us a call, "
         f"{out['grad_us_per_kernel']:.2f} us a kernel")
@@ -647,6 +685,9 @@ def probe_floor(cells):
         log(f"   a program that reads none of its inputs, given {k:<12} {call[k]['median_us']:>8.1f} us a call")
     for k in held:
         log(f"   update {k:<12} in place (donated, a * 0.999 + 1e-3)        {upd[k]['median_us']:>8.1f} us a call")
+    for k, v in steps.items():
+        log(f"   a training step, {k:<38} {v['median_us']:>8.1f} us")
+    log(f"   (the flat program's trace + XLA compile: {fused_xla_s:.2f} s)")
     OUT["floor"] = out
 
 
