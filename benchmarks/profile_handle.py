@@ -638,41 +638,7 @@ def probe_floor(cells):
 
     upd = {k: best(update(k), CFG["dispatch_rounds"], many, lambda k=k: jax.block_until_ready(held[k][0]))
            for k in held}
-    fp_size = lambda lay: sum(size for _, size in lay.offsets.values())  # noqa: E731
-    # nitro's step (its two programs, as the step loop calls them) against one program that carries the
-    # parameters as one flat buffer and slices them apart itself: what the per-array costs leave on the table,
-    # and the XLA compile that buys it
-    O = ent["opt"].call
-    nst = [jax.tree.map(jnp.array, params), n._opt_state,
-           _guard.fresh(_guard.n_parts(n._layout, n._model.split.trainable(params), dev))]
-
-    def nitro_step():
-        fg, loss, _ = G(nst[0], None, dev, batch, None)
-        nst[0], nst[1], nst[2] = O(nst[0], fg, nst[1], dev, loss, nst[2])
-
-    layout, tx = n._layout, optax.adam(1e-3)
-    loss_of, _ = mlp_loss(DEEP["in_dim"], DEEP["width"], DEEP["depth"], bs)
-
-    def fused(fp, opt_state, x, y):  # (the buffer padded to a multiple of 8, as above)
-        tree = layout.unravel({"float32": fp})
-        value, grads = jax.value_and_grad(loss_of)(tree, x, y)
-        flat_grads = layout.ravel(grads)["float32"]
-        updates, opt_state = tx.update(jnp.pad(flat_grads, (0, fp.size - flat_grads.size)), opt_state)
-        return optax.apply_updates(fp, updates), opt_state, value
-
-    fp = jnp.pad(layout.ravel(params)["float32"], (0, -fp_size(layout) % 8))
-    t0 = time.perf_counter()
-    F = jax.jit(fused, donate_argnums=(0, 1)).lower(fp, tx.init(fp), x, batch["y"]).compile(
-        compiler_options=_compile.program_options(jax.make_jaxpr(fused)(fp, tx.init(fp), x, batch["y"]).jaxpr))
-    fused_xla_s = time.perf_counter() - t0
-    fst = [jnp.array(fp), tx.init(fp)]
-
-    def fused_step():
-        fst[0], fst[1], _ = F(fst[0], fst[1], x, batch["y"])
-
-    steps = {"nitro's grad + opt programs": best(nitro_step, CFG["dispatch_rounds"], inner, lambda: jax.block_until_ready(nst)),
-             "one program over a flat buffer": best(fused_step, CFG["dispatch_rounds"], inner,
-                                                    lambda: jax.block_until_ready(fst))}
+    steps, fused_xla_s = flat_step(n, ent, batch, inner)
     count = sum(kernels[k] for k in ("fusion", "dot", "concatenate"))
     out = {"grad_kernels": kernels, "grad_us": grad["median_us"], "grad_us_per_kernel": grad["median_us"] / count,
            "call_us": {k: v["median_us"] for k, v in call.items()},
@@ -689,6 +655,43 @@ def probe_floor(cells):
         log(f"   a training step, {k:<38} {v['median_us']:>8.1f} us")
     log(f"   (the flat program's trace + XLA compile: {fused_xla_s:.2f} s)")
     OUT["floor"] = out
+
+
+def flat_step(n, ent, batch, inner: int) -> tuple:
+    """`({label: timing}, compile seconds)`: nitro's step (its two programs, as the step loop calls them)
+    against one program that carries the parameters as one flat buffer and slices them apart itself: what
+    the per-array costs leave on the table, and the XLA compile that would buy it back."""
+    G, O, dev, x, y = ent["grad"].call, ent["opt"].call, n._dev, batch["x"], batch["y"]
+    nst = [jax.tree.map(jnp.array, n._params), n._opt_state,
+           _guard.fresh(_guard.n_parts(n._layout, n._model.split.trainable(n._params), dev))]
+
+    def nitro_step():
+        fg, loss, _ = G(nst[0], None, dev, batch, None)
+        nst[0], nst[1], nst[2] = O(nst[0], fg, nst[1], dev, loss, nst[2])
+
+    layout, tx = n._layout, optax.adam(1e-3)
+    loss_of, _ = mlp_loss(DEEP["in_dim"], DEEP["width"], DEEP["depth"], DEEP["batch"])
+    fp = layout.ravel(n._params)["float32"]
+    fp = jnp.pad(fp, (0, -fp.size % 8))  # a multiple of 8, as in `probe_floor`
+
+    def fused(fp, opt_state, x, y):
+        value, grads = jax.value_and_grad(loss_of)(layout.unravel({"float32": fp}), x, y)
+        flat_grads = layout.ravel(grads)["float32"]
+        updates, opt_state = tx.update(jnp.pad(flat_grads, (0, fp.size - flat_grads.size)), opt_state)
+        return optax.apply_updates(fp, updates), opt_state, value
+
+    t0 = time.perf_counter()
+    options = _compile.program_options(jax.make_jaxpr(fused)(fp, tx.init(fp), x, y).jaxpr)
+    F = jax.jit(fused, donate_argnums=(0, 1)).lower(fp, tx.init(fp), x, y).compile(compiler_options=options)
+    compile_s = time.perf_counter() - t0
+    fst = [jnp.array(fp), tx.init(fp)]
+
+    def fused_step():
+        fst[0], fst[1], _ = F(fst[0], fst[1], x, y)
+
+    rounds = CFG["dispatch_rounds"]
+    return {"nitro's grad + opt programs": best(nitro_step, rounds, inner, lambda: jax.block_until_ready(nst)),
+            "one program over a flat buffer": best(fused_step, rounds, inner, lambda: jax.block_until_ready(fst))}, compile_s
 
 
 PROBES = {"loop": probe_loop, "dispatch": probe_dispatch, "recorder": probe_recorder,
