@@ -68,6 +68,16 @@ def _stats():
     return s.misses, s.entries
 
 
+def _on_demand(fn):
+    """`fn()` on an empty cache with compile ahead off: what programs compiled on demand give."""
+    nitro_ipy.cache_reset()
+    _ahead.set_compile_ahead(False)
+    try:
+        return fn()
+    finally:
+        _ahead.set_compile_ahead(True)
+
+
 def test_a_fresh_training_run_compiles_each_program_once_with_eval_ahead(capsys):
     nitro_ipy.cache_reset()
     ns = {}
@@ -159,12 +169,7 @@ def test_a_fresh_run_compiles_its_device_metrics_beside_the_first_epoch(capsys):
     assert [line.split()[2] for line in lines] == ["grad", "opt", "eval"] + ["metric:mae", "metric:worst"] * 2
     assert all("compiled in the background as training started" in line for line in lines[2:])
     # The same numbers as metrics compiled on demand.
-    nitro_ipy.cache_reset()
-    _ahead.set_compile_ahead(False)
-    try:
-        again = ns["Nitro"](ns["Scored"](), data=ns["data"], batch_size=12, progress=False).train()
-    finally:
-        _ahead.set_compile_ahead(True)
+    again = _on_demand(lambda: ns["Nitro"](ns["Scored"](), data=ns["data"], batch_size=12, progress=False).train())
     assert _outcomes() == [("eval", "compiled")] + [("metric:mae", "compiled"), ("metric:worst", "compiled")] * 2
     assert rows == again
 
@@ -237,12 +242,7 @@ def test_an_edit_that_reshapes_the_outputs_compiles_the_metrics_at_the_new_shape
     assert made_ahead <= {id(e) for e in shell.user_ns["n"]._programs.values()}  # each one is used
     served = shell.user_ns["rows"][-1]["valid_mae"]
     # The same figure from programs compiled on demand.
-    nitro_ipy.cache_reset()
-    _ahead.set_compile_ahead(False)
-    try:
-        again = shell.user_ns["n"].evaluate("valid")["mae"]
-    finally:
-        _ahead.set_compile_ahead(True)
+    again = _on_demand(lambda: shell.user_ns["n"].evaluate("valid")["mae"])
     assert served == again
 
 
@@ -785,10 +785,5 @@ def test_a_library_module_edit_that_reshapes_the_outputs_compiles_the_metrics_at
     assert all("compiled ahead after your edit" in line for line in lines)
     assert np.shape(ip.user_ns["m"].predict({"x": ip.user_ns["X"][48:]})) == (16, 2)
     served = ip.user_ns["rows"][-1]["valid_mae"]
-    nitro_ipy.cache_reset()
-    _ahead.set_compile_ahead(False)
-    try:
-        again = ip.user_ns["m"].evaluate("valid")["mae"]
-    finally:
-        _ahead.set_compile_ahead(True)
+    again = _on_demand(lambda: ip.user_ns["m"].evaluate("valid")["mae"])
     assert served == again
