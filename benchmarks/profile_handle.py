@@ -618,7 +618,7 @@ def probe_floor(cells):
     batch = jax.device_put({"x": data["x"][:bs], "y": data["y"][:bs]})
     params, dev, inner = n._params, n._dev, CFG["dispatch_inner"]["deep"]
     grad = best(lambda: jax.block_until_ready(G(params, None, dev, batch, None)), CFG["dispatch_rounds"], inner)
-    flat = jnp.concatenate([jnp.ravel(a) for a in jax.tree.leaves(params)])
+    flat = n._layout.ravel(params)["float32"]
     # padded to a multiple of 8: XLA:CPU's fusion emitters run an elementwise kernel over an odd-sized
     # buffer about 4x slower (126241 floats: 187 us, 126240: 44 us), which is not what this measures
     flat = jnp.pad(flat, (0, -flat.size % 8))
@@ -638,7 +638,7 @@ def probe_floor(cells):
 
     upd = {k: best(update(k), CFG["dispatch_rounds"], many, lambda k=k: jax.block_until_ready(held[k][0]))
            for k in held}
-    steps, fused_xla_s = flat_step(n, ent, batch, inner)
+    steps, fused_xla_s = flat_step(n, ent, batch, flat, inner)
     count = sum(kernels[k] for k in ("fusion", "dot", "concatenate"))
     out = {"grad_kernels": kernels, "grad_us": grad["median_us"], "grad_us_per_kernel": grad["median_us"] / count,
            "call_us": {k: v["median_us"] for k, v in call.items()},
@@ -657,12 +657,13 @@ def probe_floor(cells):
     OUT["floor"] = out
 
 
-def flat_step(n, ent, batch, inner: int) -> tuple:
+def flat_step(n, ent, batch, fp, inner: int) -> tuple:
     """`({label: timing}, compile seconds)`: nitro's step (its two programs, as the step loop calls them)
-    against one program that carries the parameters as one flat buffer and slices them apart itself: what
-    the per-array costs leave on the table, and the XLA compile that would buy it back."""
+    against one program that carries the parameters as one flat buffer (`fp`: the layout's, padded) and
+    slices them apart itself: what the per-array costs leave on the table, and the XLA compile that would
+    buy it back."""
     G, O, dev, x, y = ent["grad"].call, ent["opt"].call, n._dev, batch["x"], batch["y"]
-    nst = [jax.tree.map(jnp.array, n._params), n._opt_state,
+    nst = [jax.tree.map(jnp.array, n._params), jax.tree.map(jnp.array, n._opt_state),
            _guard.fresh(_guard.n_parts(n._layout, n._model.split.trainable(n._params), dev))]
 
     def nitro_step():
@@ -671,8 +672,6 @@ def flat_step(n, ent, batch, inner: int) -> tuple:
 
     layout, tx = n._layout, optax.adam(1e-3)
     loss_of, _ = mlp_loss(DEEP["in_dim"], DEEP["width"], DEEP["depth"], DEEP["batch"])
-    fp = layout.ravel(n._params)["float32"]
-    fp = jnp.pad(fp, (0, -fp.size % 8))  # a multiple of 8, as in `probe_floor`
 
     def fused(fp, opt_state, x, y):
         value, grads = jax.value_and_grad(loss_of)(layout.unravel({"float32": fp}), x, y)
