@@ -31,9 +31,9 @@ class InterruptGate:
     """Holds Ctrl-C while `defer` is True, until the step in flight has stored its results, so an
     interrupt never leaves the handle with donated-away buffers. Outside the gate it raises at once.
 
-    A held Ctrl-C sets `pending`; the loop raises `KeyboardInterrupt` at its next check (a background
-    run's `stop()` sets it too: `_runs.RunControl`). `quiet` turns the progress bar off (a worker thread
-    never draws one).
+    A Ctrl-C sets `pending`, held or not; the loop raises `KeyboardInterrupt` at its next check (a
+    background run's `stop()` sets it too: `_runs.RunControl`). `quiet` turns the progress bar off (a
+    worker thread never draws one).
     """
 
     __slots__ = ("defer", "pending", "quiet")
@@ -44,9 +44,12 @@ class InterruptGate:
         self.quiet = False
 
     def _on_sigint(self, signum, frame):
-        if self.defer:
-            self.pending = True
-        else:
+        # Pending either way: a `KeyboardInterrupt` raised while Python runs a gc callback (JAX's
+        # `_xla_gc_callback`), a `__del__` or a weakref callback is reported as "Exception ignored" and
+        # lost, and the loop's next check raises it again. Raised here, it ends the call, and the gate
+        # with it.
+        self.pending = True
+        if not self.defer:
             raise KeyboardInterrupt
 
     def cuts_epoch(self) -> bool:

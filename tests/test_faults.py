@@ -8,10 +8,12 @@ the trials, except the compile trials, which need a cold cache each).
 """
 
 import dataclasses
+import gc
 import os
 import random
 import time
 import signal
+import sys
 import threading
 
 import jax
@@ -172,6 +174,42 @@ def test_sigint_during_validate_predict_and_the_scan(warm):
         _cache.ensure_fresh()  # an interrupted scan runs again to completion
         assert_usable(n)
     assert not any(e.poisoned for e in n._programs.values())
+
+
+def test_a_ctrl_c_that_lands_in_a_gc_callback_still_interrupts_training(warm):
+    """Python reports an exception raised in a gc callback (JAX registers one) as "Exception ignored"
+    and drops it: the Ctrl-C the gate raised there is raised again at the loop's next step boundary."""
+    swallowed, fired = [], []
+
+    def collected(phase, info):
+        if phase == "start" and ARMED["gc"] and not fired:
+            fired.append(phase)
+            signal.raise_signal(signal.SIGINT)  # its handler runs at the next bytecode: inside this callback
+
+    def first_step_lr(step):  # called on the host before step 0, outside the gate's hold
+        if step == 0:
+            ARMED["gc"] = True
+            try:
+                gc.collect()
+            finally:
+                ARMED["gc"] = False
+        return 1e-2
+
+    hook, sys.unraisablehook = sys.unraisablehook, lambda u: swallowed.append(u.exc_type)
+    gc.callbacks.append(collected)
+    try:
+        n = Nitro(Tiny(), data=DATA, batch_size=BS, max_epochs=4, progress=False, schedules={"lr": first_step_lr})
+        with pytest.raises(nitro_ipy.TrainingInterrupted, match=r"at epoch 1, step 1/60;"):
+            n.train()
+    finally:
+        gc.callbacks.remove(collected)
+        sys.unraisablehook = hook
+    assert fired and swallowed == [KeyboardInterrupt]  # it did land in the callback, and was dropped there
+    assert n.step == 1
+    assert_usable(n, steps_expected=1)
+
+
+ARMED = {"gc": False}
 
 
 def test_sigint_during_a_compile_leaves_no_half_entry():
