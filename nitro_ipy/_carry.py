@@ -22,6 +22,7 @@ from ._errors import NitroValueError
 from ._fields import graphconst_fields
 from ._fingerprint import Unfingerprintable, fingerprint, function_fingerprint
 from ._hooks import live_class
+from ._memo import Memo
 from ._origin import is_user_function, is_user_module
 
 _MAX_DEPTH = 64  # nesting bound: a cycle in a user's object graph is not followed forever
@@ -190,8 +191,7 @@ def copy_arrays(tree):
 # the carried state still fits; that trace is most of a rebuild (46 of 57 ms on the 120-layer MLP, 121
 # `jax.random` calls), and it holds the GIL while a compile ahead of the same edit wants to trace. When
 # nothing `init`'s trace depended on has moved, its shapes are the ones it gave before.
-_INITS: dict = {}
-_INITS_KEPT = 8
+_INITS = Memo("abstract init shapes", maxsize=8)
 _FIELD_BYTES = 1 << 16  # a field value larger than this (a dataset as a Host field) is not fingerprinted
 
 
@@ -213,16 +213,15 @@ def abstract_init(cls, init, experiment, seed: int):
     if key is not None and not closure.anonymous and not closure.superseded:
         _INITS.pop(key, None)
         _INITS[key] = (closure, shapes)
-        while len(_INITS) > _INITS_KEPT:
-            _INITS.pop(next(iter(_INITS)))
     return shapes
 
 
 def _init_key(cls, experiment, seed: int):
-    """What `init`'s shapes may hang on besides its code: the class's name, every field's value (Host
-    fields too: `init` runs on the experiment itself), the seed and x64; None when a value has no cheap
-    content fingerprint (then `init` is traced every time)."""
-    parts = [cls.__module__, cls.__qualname__, int(seed), bool(jax.config.jax_enable_x64)]
+    """What `init`'s shapes may hang on besides its code: the class's name and which class defines each
+    of its methods (`_methods_by_owner`), every field's value (Host fields too: `init` runs on the
+    experiment itself), the seed and x64; None when a value has no cheap content fingerprint (then
+    `init` is traced every time)."""
+    parts = [cls.__module__, cls.__qualname__, _methods_by_owner(cls), int(seed), bool(jax.config.jax_enable_x64)]
     for f in dataclasses.fields(experiment):
         value = getattr(experiment, f.name, None)
         if getattr(value, "nbytes", 0) > _FIELD_BYTES:
@@ -232,6 +231,24 @@ def _init_key(cls, experiment, seed: int):
         except (Unfingerprintable, TypeError, ValueError):
             return None
     return tuple(parts)
+
+
+def _methods_by_owner(cls) -> tuple:
+    """`(name, module, qualified name)` of the function each method name of `cls` resolves to.
+
+    The recorded closure finds a function again by its own qualified name, so it cannot see a method
+    move between classes: `class Exp(Base): pass` inheriting `Base.init`, re-run as a class defining its
+    own `init` (or a `self.layers()` it now overrides) with the same field values, would get the old
+    shapes. This table moves then; an edit inside a method is the closure's to see."""
+    table = {}
+    for klass in reversed(cls.__mro__[:-1]):  # `object` last in the MRO, and none of its methods are hooks
+        for name, attr in vars(klass).items():
+            fn = attr.fget if isinstance(attr, property) else getattr(attr, "__func__", attr)
+            if isinstance(fn, types.FunctionType):
+                table[name] = (fn.__module__, fn.__qualname__)
+            else:  # a subclass's value hides the base's method
+                table.pop(name, None)
+    return tuple(sorted((name,) + owner for name, owner in table.items()))
 
 
 def _arrays_only(tree):

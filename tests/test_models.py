@@ -937,3 +937,42 @@ def _bits(tree) -> list:
             leaf = jax.random.key_data(leaf)
         return np.asarray(leaf).tobytes()
     return [bits(leaf) for leaf in jax.tree.leaves(tree)]
+
+
+class Moved(Sized):  # `init` inherited from `Sized`
+    pass
+
+
+class Based(Sized):
+    def width(self):
+        return 4
+
+    def init(self, rng):
+        return {"w": jnp.zeros((2, self.width())), "v": jnp.zeros((self.width(),))}
+
+
+class MovedWidth(Based):  # `init` and the `width` it calls inherited from `Based`
+    pass
+
+
+# A class's cell re-run so that a method `init` runs moves to the class itself: the same class name,
+# module and field values, and the functions the kept shapes' closure recorded have not changed.
+MOVED = {
+    "init": ("Moved", "class Moved(Sized):\n    def init(self, rng):\n"
+                      "        return {'w': jnp.zeros((2, 6)), 'v': jnp.zeros((6,))}\n"),
+    "a method init calls": ("MovedWidth", "class MovedWidth(Based):\n    def width(self):\n        return 6\n"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(MOVED))
+def test_rebuild_traces_init_again_when_a_method_it_runs_moves_to_the_class(what, monkeypatch):
+    name, cell = MOVED[what]
+    module = sys.modules[__name__]
+    n = Nitro(getattr(module, name)(), data={"train": _reg()}, batch_size=64, progress=False)
+    n.train()
+    n = n.rebuild()  # the inherited code's shapes, kept
+    ns = dict(vars(module))
+    exec(compile(cell, __file__, "exec"), ns)
+    monkeypatch.setattr(module, name, ns[name])
+    with pytest.raises(NitroValueError, match=r"params\['v'\]: carried float32\[4\], `init` now gives float32\[6\]"):
+        n.rebuild()
