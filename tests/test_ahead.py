@@ -787,3 +787,120 @@ def test_a_library_module_edit_that_reshapes_the_outputs_compiles_the_metrics_at
     served = ip.user_ns["rows"][-1]["valid_mae"]
     again = _on_demand(lambda: ip.user_ns["m"].evaluate("valid")["mae"])
     assert served == again
+
+
+# Experiments beyond the tiny one, each calling `helper` from a different hook, or built with another
+# handle setting. The same edit of `helper` in each: what compile ahead serves the rebuilt handle must be
+# every program it needs, and train exactly as the programs compiled on demand do.
+CORPUS_COMMON = TINY_EXPERIMENT + "import flax.linen as nn\nfrom typing import Any\n"
+CORPUS = {
+    # batch statistics carried as model state, `train` telling the two programs apart
+    "state": ("""
+@dataclasses.dataclass
+class Case:
+    hidden: GraphConst[int] = 4
+    lr: Device[float] = 1e-2
+
+    def init(self, rng):
+        return {"w": jax.random.normal(rng, (3, self.hidden)) * 0.1, "v": jnp.zeros(self.hidden)}, {
+            "mean": jnp.zeros(self.hidden)}
+
+    def forward(self, params, *, x, state, train):
+        h = x @ params["w"]
+        mean = h.mean(0) if train else state["mean"]
+        new = {"mean": 0.9 * state["mean"] + 0.1 * h.mean(0)} if train else state
+        return jnp.tanh(helper(h - mean)) @ params["v"], new
+
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+
+    def optimizer(self):
+        return optax.sgd(self.lr)
+""", "Case(), batch_size=16", ["grad", "eval"]),
+    # dropout: a key per step in the gradient program, none in evaluation
+    "dropout": ("""
+@dataclasses.dataclass
+class Case(Tiny):
+    def forward(self, params, *, x, rng, train):
+        h = jnp.tanh(x @ params["w"])
+        if train:
+            h = jnp.where(jax.random.bernoulli(rng, 0.8, h.shape), h / 0.8, 0.0)
+        return helper(h) @ params["v"]
+""", "Case(), batch_size=16", ["grad", "eval"]),
+    "accum": ("class Case(Tiny):\n    pass\n", "Case(), batch_size=8, accum=2", ["grad", "eval"]),
+    "schedule": ("class Case(Tiny):\n    pass\n", "Case(), batch_size=16, schedules={'lr': lambda s: 1e-2 / (1 + s)}",
+                 ["grad", "eval"]),
+    # the optimizer's hyperparameter through the helper: only the optimizer program moves
+    "optimizer": ("""
+class Case(Tiny):
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+
+    def optimizer(self):
+        return optax.sgd(self.lr * helper(2.0))
+""", "Case(), batch_size=16", ["opt"]),
+    # a Flax Linen module definition in a GraphConst field, the helper inside its `__call__`
+    "linen": ("""
+class Body(nn.Module):
+    width: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(1)(helper(jnp.tanh(nn.Dense(self.width)(x))))[:, 0]
+
+@dataclasses.dataclass
+class Case:
+    body: GraphConst[Any] = None
+    lr: Device[float] = 1e-2
+
+    def init(self, rng):
+        return self.body.init(rng, jnp.zeros((1, 3)))
+
+    def forward(self, params, *, x):
+        return self.body.apply(params, x)
+
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+""", "Case(body=Body()), batch_size=16", ["grad", "eval"]),
+}
+
+
+def _train_and_edit(shell, case: str) -> int:
+    """The case's handle `k` trained one epoch, then `helper` edited; the misses before the edit."""
+    source, arguments, _ = CORPUS[case]
+    _run(shell, "def helper(r):\n    return r ** 2\n")
+    _run(shell, source + f"k = Nitro({arguments}, data=data, progress=False)\nk.train()\n")
+    assert _ahead.wait(60)
+    _ahead.reset()
+    before = _stats()[0]
+    _run(shell, "def helper(r):\n    return r ** 2 + 0.5 * r\n")
+    return before
+
+
+@pytest.mark.parametrize("case", sorted(CORPUS))
+def test_compile_ahead_serves_every_program_an_edit_moves_across_experiments(case, capsys):
+    """For each experiment of `CORPUS`: the edit's replacements (and only those) compile ahead, the rebuilt
+    handle's epoch and validation compile nothing more, every compile line says it was made ahead, and
+    the epoch's numbers are those of the same edit with everything compiled on demand."""
+    moved = CORPUS[case][2]
+    for shell in _shell(CORPUS_COMMON):
+        nitro_ipy.cache_reset()
+        before = _train_and_edit(shell, case)
+        assert _ahead.wait(60)
+        assert _outcomes() == [(kind, "compiled") for kind in moved]
+        made = _stats()[0]
+        assert made == before + len(moved)
+        capsys.readouterr()
+        _run(shell, "k = k.rebuild()\nrows = k.train()\n")
+        assert _stats()[0] == made  # served: nothing compiled on demand
+        lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("nitro_ipy: compiled")]
+        assert sorted(line.split()[2] for line in lines) == sorted(moved)
+        assert all("compiled ahead after your edit" in line for line in lines)
+        served = shell.user_ns["rows"]
+
+        def on_demand():
+            _train_and_edit(shell, case)
+            _run(shell, "k = k.rebuild()\nrows = k.train()\n")
+            return shell.user_ns["rows"]
+
+        assert _on_demand(on_demand) == served
