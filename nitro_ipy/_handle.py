@@ -415,6 +415,8 @@ class Nitro:
                 _report.emit(Kind.EPOCH, record=row)  # `record` is the EPOCH message's field name
             if row.get("stopped"):
                 break
+        if control.pending and control.cuts_epoch():  # a Ctrl-C dropped in the last validation
+            raise KeyboardInterrupt
         return list(rows)
 
     def set(self, **values) -> None:

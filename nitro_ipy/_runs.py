@@ -96,9 +96,12 @@ class RunControl(InterruptGate):
 
 
 def foreground(control: RunControl, work):
-    """Run `work()` (the epoch loop) here; Ctrl-C ends it with one line, the handle usable."""
+    """Run `work()` (the epoch loop) here; Ctrl-C ends it with one line, the handle usable. The gate
+    is the SIGINT handler for the whole call, validation too: a Ctrl-C Python drops (`InterruptGate`)
+    is raised again at the next epoch, or when the last one ends."""
     try:
-        return work()
+        with control.installed():
+            return work()
     except KeyboardInterrupt:
         if control.stop_reason is not None:
             return list(control.rows)

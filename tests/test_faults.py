@@ -7,6 +7,7 @@ Budget: ~25 s on a loaded 2-core machine (tiny models; programs compiled once pe
 the trials, except the compile trials, which need a cold cache each).
 """
 
+import contextlib
 import dataclasses
 import gc
 import os
@@ -176,40 +177,80 @@ def test_sigint_during_validate_predict_and_the_scan(warm):
     assert not any(e.poisoned for e in n._programs.values())
 
 
-def test_a_ctrl_c_that_lands_in_a_gc_callback_still_interrupts_training(warm):
-    """Python reports an exception raised in a gc callback (JAX registers one) as "Exception ignored"
-    and drops it: the Ctrl-C the gate raised there is raised again at the loop's next step boundary."""
-    swallowed, fired = [], []
+ARMED = {"gc": False}
+
+
+@contextlib.contextmanager
+def dropped_sigints():
+    """While active, `sigint_in_gc()` sends a SIGINT whose handler runs inside a gc callback (JAX
+    registers one), where Python reports its exception as "Exception ignored" and drops it. Yields the
+    exception types Python dropped."""
+    dropped = []
 
     def collected(phase, info):
-        if phase == "start" and ARMED["gc"] and not fired:
-            fired.append(phase)
+        if phase == "start" and ARMED["gc"]:
+            ARMED["gc"] = False
             signal.raise_signal(signal.SIGINT)  # its handler runs at the next bytecode: inside this callback
 
-    def first_step_lr(step):  # called on the host before step 0, outside the gate's hold
-        if step == 0:
-            ARMED["gc"] = True
-            try:
-                gc.collect()
-            finally:
-                ARMED["gc"] = False
-        return 1e-2
-
-    hook, sys.unraisablehook = sys.unraisablehook, lambda u: swallowed.append(u.exc_type)
+    hook, sys.unraisablehook = sys.unraisablehook, lambda u: dropped.append(u.exc_type)
     gc.callbacks.append(collected)
     try:
-        n = Nitro(Tiny(), data=DATA, batch_size=BS, max_epochs=4, progress=False, schedules={"lr": first_step_lr})
-        with pytest.raises(nitro_ipy.TrainingInterrupted, match=r"at epoch 1, step 1/60;"):
-            n.train()
+        yield dropped
     finally:
         gc.callbacks.remove(collected)
         sys.unraisablehook = hook
-    assert fired and swallowed == [KeyboardInterrupt]  # it did land in the callback, and was dropped there
+
+
+def sigint_in_gc():
+    ARMED["gc"] = True
+    try:
+        gc.collect()
+    finally:
+        ARMED["gc"] = False
+
+
+def test_a_ctrl_c_dropped_in_a_gc_callback_still_interrupts_the_epoch(warm):
+    def first_step_lr(step):  # called on the host before step 0, before the gate holds Ctrl-C
+        if step == 0:
+            sigint_in_gc()
+        return 1e-2
+
+    n = Nitro(Tiny(), data=DATA, batch_size=BS, max_epochs=4, progress=False, schedules={"lr": first_step_lr})
+    with dropped_sigints() as dropped:
+        with pytest.raises(nitro_ipy.TrainingInterrupted, match=r"at epoch 1, step 1/60;"):
+            n.train()
+    assert dropped == [KeyboardInterrupt]  # it did land in the callback, and Python dropped it there
     assert n.step == 1
     assert_usable(n, steps_expected=1)
 
 
-ARMED = {"gc": False}
+@dataclasses.dataclass
+class Counted(Tiny):
+    @nitro_ipy.metrics("host")
+    def rows(self, outputs, *, y):
+        if DROP_IN_VALIDATION:
+            DROP_IN_VALIDATION.pop()
+            sigint_in_gc()
+        return {"rows": (float(len(y)), None)}
+
+
+DROP_IN_VALIDATION = []
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_a_ctrl_c_dropped_during_validation_still_interrupts_the_call(epochs):
+    """Dropped in the first epoch's validation: with more epochs to go the next one does not start, and
+    after the last one `train()` does not return as if it finished."""
+    n = Nitro(Counted(), data=DATA, batch_size=BS, max_epochs=epochs, progress=False)
+    DROP_IN_VALIDATION.append(True)
+    with dropped_sigints() as dropped:
+        with pytest.raises(nitro_ipy.TrainingInterrupted, match=r"at epoch 1, validating;"):
+            n.train()
+    assert dropped == [KeyboardInterrupt]
+    assert (n.epoch, n.step) == (1, 60)
+    assert [row["epoch"] for row in n.history] == [1]
+    assert n.history[0]["valid_rows"] == 37.0  # the epoch's validation finished before the interrupt
+    assert_usable(n, steps_expected=60)
 
 
 def test_sigint_during_a_compile_leaves_no_half_entry():
