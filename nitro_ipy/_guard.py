@@ -93,6 +93,22 @@ def _add_loss(guard, loss):
     return guard[FINITE] + finite.astype(jnp.int32), bits(t), bits(c)
 
 
+def kept_if_finite(checked: list, new, old):
+    """`new` where every value of `checked` (`parts`) is finite, else `old`: the model state (batch
+    statistics) the gradient program carries out of a step, so a step the optimizer program skips does
+    not change it either. Traced inside the gradient program, which does not see the guard: after a bad
+    step with `halt`, the finite steps dispatched before the loop's next sync point still update the
+    state (never with a non-finite value), though not the parameters. A state whose structure, shapes
+    or dtypes moved is taken as it is."""
+    same = lambda a, b: jnp.shape(a) == jnp.shape(b) and jnp.result_type(a) == jnp.result_type(b)  # noqa: E731
+    new_leaves, new_def = jax.tree.flatten(new)
+    old_leaves, old_def = jax.tree.flatten(old)
+    if new_def != old_def or not all(same(a, b) for a, b in zip(new_leaves, old_leaves)):
+        return new
+    ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(c)) for c in checked]))
+    return new_def.unflatten([jnp.where(ok, a, b) for a, b in zip(new_leaves, old_leaves)])
+
+
 def decide(guard, checked: list, halt: bool):
     """`(apply, new guard)`: whether this step's update applies (every value of `checked` is finite and,
     with `halt`, no earlier step was bad), and the guard that records it (and the loss, `checked[0]`).

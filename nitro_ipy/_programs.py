@@ -29,7 +29,7 @@ from . import _reuse
 from ._cache import Key, arg_signature
 from ._checks import check_loss, check_metric_result
 from ._compile import OPTIMIZER_OPTIONS
-from ._guard import decide, gated, parts
+from ._guard import decide, gated, kept_if_finite, parts
 from ._model import EVAL_KEY_SEED, forward_result
 from ._optimizer import update_args
 
@@ -84,6 +84,7 @@ def make_gradient(view_of, forward, loss, input_names, target_names, model, accu
         return call_loss(model, loss, view, outputs, {k: batch[k] for k in target_names}, True), state
 
     def gradient(params, state, dev, batch, step_rng):
+        state_in = state
         view = view_of(dev)
         trainable = split.trainable(params)
         # `step_rng` is the step's key computed on the host (`Nitro._seed_step`): with micro-batches, the
@@ -109,7 +110,10 @@ def make_gradient(view_of, forward, loss, input_names, target_names, model, accu
             (total, grads, state), _ = jax.lax.scan(micro, carry, (jnp.arange(accum), batch))
             value = total / accum
             grads = jax.tree.map(lambda g: g / accum, grads)
-        return layout.ravel(grads), value, state
+        flat = layout.ravel(grads)
+        if model.has_state:  # a step the optimizer program will not apply keeps the state it came with
+            state = kept_if_finite(parts(value, flat, dev), state, state_in)
+        return flat, value, state
 
     return gradient
 

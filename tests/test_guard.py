@@ -151,6 +151,52 @@ def test_skip_gives_the_result_of_training_without_the_bad_batches():
         np.testing.assert_allclose(np.asarray(n.params[k]), np.asarray(params[k]), rtol=1e-5, atol=1e-6)
 
 
+@dataclasses.dataclass
+class Normed(Reg):
+    """Batch statistics as model state: a running mean of the hidden layer, updated by every training step."""
+
+    def init(self, rng):
+        return Reg.init(self, rng), {"mean": jnp.zeros(self.hidden), "seen": jnp.zeros((), jnp.int32)}
+
+    def forward(self, params, *, x, state, train):
+        h = x @ params["w1"]
+        if train:
+            mean, state = h.mean(0), {"mean": 0.9 * state["mean"] + 0.1 * h.mean(0), "seen": state["seen"] + 1}
+        else:
+            mean = state["mean"]
+        return jnp.tanh(h - mean) @ params["w2"], state
+
+
+@pytest.mark.parametrize("mode", ["skip", "raise"])
+def test_a_bad_step_keeps_the_model_state_it_came_with(mode):
+    """The step's batch statistics are as non-finite as its loss: a step the optimizer program does not
+    apply leaves the model state as it was, so the handle holds the state of the last finite step too."""
+    clean = _data(80)
+    dirty = {k: v.copy() for k, v in clean.items()}
+    dirty["x"][row_of_step(80, 10), 2] = np.nan  # the epoch's last step
+    ref_params, ref_state = params_after(Normed(), clean, 9)
+    n = Nitro(Normed(), data={"train": dirty, "valid": clean}, batch_size=BS, progress=False, on_nonfinite=mode)
+    if mode == "raise":
+        with pytest.raises(nitro_ipy.NonFiniteLossError, match=r"at step 10 \(epoch 1\)"):
+            n.train()
+    else:
+        assert n.train()[0]["skipped"] == 1
+    assert_tree_equal(n.params, ref_params)
+    assert_tree_equal(n.state, ref_state)
+    assert int(n.state["seen"]) == 9
+    assert np.isfinite(n.validate()["loss"])
+
+
+def test_skipping_a_bad_step_mid_epoch_keeps_the_state_finite():
+    dirty = _data(80)
+    dirty["x"][row_of_step(80, 4), 0] = np.inf
+    n = Nitro(Normed(), data={"train": dirty, "valid": _data(80)}, batch_size=BS, progress=False, on_nonfinite="skip")
+    rows = n.train(2)
+    assert [r["skipped"] for r in rows] == [1, 1]
+    assert np.isfinite(np.asarray(n.state["mean"])).all() and int(n.state["seen"]) == 18
+    assert all(np.isfinite(r["valid_loss"]) for r in rows)
+
+
 def test_on_nonfinite_is_checked_at_setup():
     with pytest.raises(nitro_ipy.NitroValueError, match=r'`on_nonfinite` must be "raise" .* or "skip" .*; got \'ignore\''):
         Nitro(Reg(), data={"train": _data(16)}, on_nonfinite="ignore")
