@@ -14,7 +14,7 @@ import numpy as np
 import optax
 
 from . import _closure
-from ._checks import check_positional_not_a_field, check_schedule_value, check_schedules_arg, numeric_array
+from ._checks import check_positional_not_a_field, check_schedule_value, check_whole, check_schedules_arg, numeric_array
 from ._data import check_splits
 from ._errors import NitroTypeError, NitroValueError
 from ._fields import CompileView, GraphConstPrints, field_kinds, graphconst_prints, short_repr
@@ -135,7 +135,10 @@ class Binding:
         """Set each scheduled Device field of `dev` to its value at `step`, in place."""
         for name, fn in self.schedules.items():
             want = self.device_host[name]
-            value = np.asarray(fn(step), dtype=want.dtype)
+            got = fn(step)
+            value = np.asarray(got, dtype=want.dtype)
+            if want.dtype.kind in "biu":
+                check_whole(self.cls, name, got, value, step)
             if value.shape != want.shape:
                 raise NitroValueError(
                     f"schedule for `{name}` returned shape {value.shape} at step {step}; the field has "

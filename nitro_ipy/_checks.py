@@ -63,7 +63,21 @@ def check_schedule_value(cls, name: str, fn, step: int, want: np.ndarray) -> np.
             f"schedule for Device field {field} returned {short_repr(got)} at step {step}, which is not "
             f"finite; a non-finite hyperparameter turns every parameter into NaN. Return a finite value."
         )
-    return np.asarray(arr, want.dtype)
+    return check_whole(cls, name, got, np.asarray(arr, want.dtype), step)
+
+
+def check_whole(cls, name: str, got, value: np.ndarray, step: int) -> np.ndarray:
+    """`value` (schedule `name`'s result `got` at `step`, cast to the field's dtype), refused when the
+    field is an integer and the cast cut it: a field made from a whole-number value (`lr=1`) is int32,
+    and `0.05` would train at 0 without a word."""
+    if value.dtype.kind in "biu" and not np.array_equal(value, np.asarray(got)):
+        raise NitroValueError(
+            f"schedule for Device field `{cls.__qualname__}.{name}` returned {short_repr(got)} at step {step}; "
+            f"the field is {value.dtype} (its value was a whole number), so every step would use "
+            f"{short_repr(value.tolist())}. Give the field a float value (`{name}=1.0`, not `{name}=1`), "
+            f"or return whole numbers."
+        )
+    return value
 
 
 # ---------------------------------------------------------------- setup

@@ -194,6 +194,21 @@ def test_a_schedule_is_checked_on_its_first_value_before_any_compile(value, erro
     assert nitro_ipy.cache_stats().misses == 0
 
 
+@pytest.mark.parametrize("schedule,step", [(lambda s: 0.05, 0), (lambda s: 1.0 / (1 + s), 1)])
+def test_a_schedule_cut_by_an_integer_field_is_refused_at_the_step_it_would_be(schedule, step):
+    """`lr=1` makes an int32 field: a fraction would train at 0 without a word, as `n.set` already says."""
+    n = Nitro(Reg(lr=1), data={"train": _data(32)}, batch_size=8, progress=False, schedules={"lr": schedule})
+    with pytest.raises(nitro_ipy.NitroValueError, match=(
+            rf"schedule for Device field `Reg.lr` returned {schedule(step)} at step {step}; the field is int32 "
+            r"\(its value was a whole number\), so every step would use 0. Give the field a float value "
+            r"\(`lr=1.0`, not `lr=1`\), or return whole numbers.")):
+        n.train()
+    assert n.step == step
+    m = Nitro(Reg(lr=1), data={"train": _data(32)}, batch_size=8, progress=False, schedules={"lr": lambda s: 1 + s})
+    m.train()  # whole numbers pass
+    assert m.step == 4
+
+
 # ---------------------------------------------------------------- GraphConst
 def test_a_nan_graphconst_float_fingerprints_by_content():
     @dataclasses.dataclass
