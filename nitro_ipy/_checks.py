@@ -7,6 +7,7 @@ One module so every check is found (and extended) in one place: `_binding` calls
 
 import inspect
 
+import jax
 import numpy as np
 
 from ._errors import NitroTypeError, NitroValueError
@@ -25,14 +26,22 @@ def check_on_nonfinite(mode) -> str:
     return mode
 
 
+def kind(dtype) -> str:
+    """numpy's kind letter of `dtype`, with `"f"` for the floats `ml_dtypes` adds (bfloat16, the float8s),
+    whose own kind is `"V"`."""
+    dtype = np.dtype(dtype)
+    return "f" if dtype.kind == "V" and jax.numpy.issubdtype(dtype, jax.numpy.floating) else dtype.kind
+
+
 def numeric_array(value) -> np.ndarray | None:
-    """`value` as a numpy array when it is a number or numeric array (bool, int, float, complex), else
-    None (a string, None, an object numpy cannot convert): what a Device field may hold."""
+    """`value` as a numpy array when it is a number or numeric array (bool, int, float, complex, the
+    `ml_dtypes` floats such as bfloat16), else None (a string, None, an object numpy cannot convert):
+    what a Device field may hold."""
     try:
         arr = np.asarray(value)
     except Exception:  # noqa: BLE001 - numpy refused it: not numeric, which the caller's error says
         return None
-    return arr if arr.dtype.kind in "biufc" else None
+    return arr if kind(arr.dtype) in "biufc" else None
 
 
 def check_schedule_value(cls, name: str, fn, step: int, want: np.ndarray) -> np.ndarray:
@@ -48,7 +57,7 @@ def check_schedule_value(cls, name: str, fn, step: int, want: np.ndarray) -> np.
             f"schedule for Device field {field} returned {type(got).__qualname__} ({short_repr(got)}) at "
             f"step {step}; it must return {expect}, e.g. `lambda step: 1e-3 * 0.99 ** step`."
         )
-    if arr.dtype.kind == "c" and want.dtype.kind != "c":
+    if kind(arr.dtype) == "c" and kind(want.dtype) != "c":
         raise NitroTypeError(
             f"schedule for Device field {field} returned a complex value ({short_repr(got)}) at step "
             f"{step}; the field is {want.dtype}: return a real number (`.real`, `abs(...)`)."
@@ -58,7 +67,7 @@ def check_schedule_value(cls, name: str, fn, step: int, want: np.ndarray) -> np.
             f"schedule for `{name}` returned shape {arr.shape} at step {step}; the field has shape "
             f"{want.shape}: return {expect}."
         )
-    if arr.dtype.kind in "fc" and not np.isfinite(arr).all():
+    if kind(arr.dtype) in "fc" and not np.isfinite(arr).all():
         raise NitroValueError(
             f"schedule for Device field {field} returned {short_repr(got)} at step {step}, which is not "
             f"finite; a non-finite hyperparameter turns every parameter into NaN. Return a finite value."
@@ -96,7 +105,7 @@ def check_schedules_arg(schedules) -> dict:
 
 def check_column(split: str, name: str, arr: np.ndarray, value) -> None:
     """A batch field is numeric or bool: object, string and categorical columns never reach a device."""
-    if arr.dtype.kind in "biufc":
+    if kind(arr.dtype) in "biufc":
         return
     got = getattr(value, "dtype", arr.dtype)
     raise NitroTypeError(

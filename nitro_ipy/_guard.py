@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._checks import kind
 from ._errors import NonFiniteLossError
 
 STEPS, BAD, FIRST, FINITE, SUM, COMP, WHY = 0, 1, 2, 3, 4, 5, 6
@@ -164,7 +165,7 @@ def _nonfinite_fields(batch: dict) -> list[str]:
     out = []
     for name, a in batch.items():
         a = np.asarray(a)
-        if a.dtype.kind in "fc":
+        if kind(a.dtype) in "fc":
             bad = ~np.isfinite(a)
             if bad.any():
                 kinds = sorted({str(v) for v in np.unique(a[bad])})
@@ -177,7 +178,7 @@ def _nonfinite_leaves(layout, flat_grads) -> list[str]:
     found = []
     for path, g in jax.tree_util.tree_flatten_with_path(tree)[0]:
         g = np.asarray(g)
-        if g.dtype.kind in "fc" and not np.isfinite(g).all():
+        if kind(g.dtype) in "fc" and not np.isfinite(g).all():
             found.append(f"`params{jax.tree_util.keystr(path)}`")
     return found
 

@@ -224,3 +224,26 @@ def test_a_nan_graphconst_float_fingerprints_by_content():
 
 
 
+
+
+# ---------------------------------------------------------------- the ml_dtypes floats
+@dataclasses.dataclass
+class HalfIn(Reg):
+    def forward(self, params, *, x):
+        return Reg.forward(self, params, x=x.astype(jnp.float32))
+
+
+def test_bfloat16_values_are_numbers_everywhere_a_number_is_taken():
+    """bfloat16 (numpy kind "V") is a float: in a Device field, `n.set`, a schedule, a batch field, predict
+    inputs, and the non-finite diagnosis."""
+    bf16 = lambda a: np.asarray(a).astype(jnp.bfloat16)  # noqa: E731
+    train = {"x": bf16(_data(32)["x"]), "y": _data(32)["y"]}
+    n = Nitro(HalfIn(lr=jnp.asarray(1e-2, jnp.bfloat16)), data={"train": train}, batch_size=8, progress=False,
+              schedules={"lr": lambda s: bf16(1e-2)})
+    assert n.train()[0]["loss"] > 0
+    assert n.predict({"x": train["x"][:3]}).shape == (3,)
+    train["x"][0, 1] = np.nan
+    m = Nitro(HalfIn(), data={"train": train}, batch_size=8, progress=False)
+    m.set(lr=bf16(5e-3))
+    with pytest.raises(nitro_ipy.NonFiniteLossError, match=r"field `x` \(1 non-finite: nan\)"):
+        m.train()
