@@ -182,6 +182,7 @@ class Nitro:
         self._cursor = (0, 0.0, 0)
         self._programs: dict = {}  # key -> Entry: what this handle runs (kept even if poisoned)
         self._guard_parts = None  # values a step's guard checks (`_loop.guard_parts`), once known
+        self._shared = True  # params or optimizer state handed out (or given) since the last step: copied before one donates them
         self._progress = None  # the running train() call's `_progress.Progress`, read by the step loop
         self._curve: list = []  # (epoch position, train loss) at sync points: the chart of the panel and `plot()`
         self._kinds_seen: dict = {}  # kind -> key of the first program of that kind
@@ -196,7 +197,9 @@ class Nitro:
     @property
     def params(self):
         """The current parameters: the pytree `init` returned (an Equinox module, Flax variables, a dict),
-        updated by training, static leaves included."""
+        updated by training, static leaves included. Arrays you keep stay valid: the next step copies
+        the parameters before it donates them (once per read, not per step)."""
+        self._shared = True
         return self._model.split.combine(self._params)
 
     @property
@@ -207,7 +210,9 @@ class Nitro:
 
     @property
     def opt_state(self):
-        """The optimizer state (over the flat parameter buffers unless `flat_params=False`)."""
+        """The optimizer state (over the flat parameter buffers unless `flat_params=False`). Arrays you
+        keep stay valid, as with `params`."""
+        self._shared = True
         return self._opt_state
 
     def save(self, path, *, wait: bool = False) -> str:

@@ -412,3 +412,29 @@ def test_a_graphconst_value_mutated_in_place_is_refused_before_any_program_is_ke
     np.testing.assert_allclose(fresh.predict(x), 2000.0)
     e.scale[0] = 1.0  # back to the value the first handle was keyed for: it works again
     np.testing.assert_allclose(n.predict(x), 2.0)
+
+
+def test_params_and_state_you_keep_stay_valid_while_the_handle_trains_on():
+    """Steps donate the params and optimizer state: arrays a user kept from `n.params`, `n.opt_state`,
+    `Nitro(e, params=...)` or IPython's `Out` are copied away from first, and only then."""
+    from nitro_ipy import _loop
+
+    given = jax.tree.map(jnp.asarray, Nitro(_experiments.Reg(), data={"train": _data(32)}).params)
+    n = Nitro(_experiments.Reg(), data={"train": _data(32)}, batch_size=8, progress=False, params=given)
+    kept_given = jax.device_get(given)
+    copies = _loop.stats["copies"]
+    n.train(1)
+    assert _loop.stats["copies"] == copies  # `given` is the user's: the handle took its own copy at setup
+    best, moments = n.params, n.opt_state
+    host = jax.device_get((best, moments))
+    n.train(2)
+    assert _loop.stats["copies"] == copies + 1  # copied once, before the first step after the read
+    for kept, want in ((given, kept_given), ((best, moments), host)):
+        for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), b)  # still readable, and unchanged
+    assert not np.array_equal(np.asarray(n.params["w1"]), host[0]["w1"])  # the handle trained on
+    del best, moments, given
+    for _ in range(3):  # a read whose result is dropped (timing an epoch, say) copies nothing
+        jax.block_until_ready((n.params, n.opt_state))
+        n.train(1)
+    assert _loop.stats["copies"] == copies + 1
