@@ -30,7 +30,8 @@ _MAX_DEPTH = 64  # nesting bound: a cycle in a user's object graph is not follow
 
 def live_value(value, _depth: int = 0):
     """`value` with every instance of a user class whose class was redefined re-made as an instance of
-    the live class, with the same attributes; containers rebuilt around what changed.
+    the live class, with the same attributes, and every user function (a partial's too) the one its name
+    gives now; containers rebuilt around what changed.
 
     Returns `value` itself when nothing inside it changed (identity kept: fingerprints and snapshots of
     the unchanged stay valid).
@@ -46,6 +47,8 @@ def live_value(value, _depth: int = 0):
     if t is dict:
         items = {k: live_value(v, _depth + 1) for k, v in value.items()}
         return value if all(items[k] is v for k, v in value.items()) else items
+    if isinstance(value, (types.FunctionType, functools.partial)):  # an activation in a GraphConst field
+        return _live_callable(value)
     if isinstance(value, type):  # a class named in a value (an NNX GraphDef's node types): the live one
         return live_class(value) if is_user_module(getattr(value, "__module__", "") or "") else value
     if not is_user_module(getattr(t, "__module__", "") or ""):

@@ -51,7 +51,12 @@ def _diff_graphconst(old, new, old_info, new_info) -> list[str]:
     out = []
     for n in moved:
         was, now = a.get(n, (None, "?"))[1], b.get(n, (None, "?"))[1]
-        out.append(f"GraphConst `{n}`: {was} -> {now}" if was != now else f"GraphConst `{n}` moved{SAME_REPR}")
+        if was != now:
+            out.append(f"GraphConst `{n}`: {was} -> {now}")
+        elif "<function " in was:  # the same name, new code (`_carry.live_value` re-binds it)
+            out.append(f"GraphConst `{n}`: {was}, its function redefined")
+        else:
+            out.append(f"GraphConst `{n}` moved{SAME_REPR}")
     return out
 
 

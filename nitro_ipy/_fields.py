@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import inspect
+import re
 import sys
 import typing
 from typing import Annotated
@@ -202,10 +203,14 @@ def compile_view(e, device_values: dict | None = None, cls=None, on_attr=None) -
     return CompileView(cls or type(e), values, hosts, on_attr)
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
 def short_repr(value, limit: int = 60) -> str:
-    """`repr(value)` on one line (a multi-line repr's runs of white space made one space), cut to `limit`
-    characters: how a value is shown in messages and miss explanations."""
-    text = " ".join(repr(value).split())
+    """`repr(value)` on one line (a multi-line repr's runs of white space made one space, memory addresses
+    left out: `<function act>`), cut to `limit` characters: how a value is shown in messages and miss
+    explanations."""
+    text = _ADDRESS.sub("", " ".join(repr(value).split()))
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

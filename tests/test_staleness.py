@@ -502,3 +502,47 @@ def test_a_rebuild_onto_a_shape_dependent_optimizer_is_refused_with_the_fix(ip, 
         "state starts afresh).")
     # the fix it names trains
     run(ip, capsys, "t = Nitro(E(lr=0.0), data=data, batch_size=4, progress=False, flat_params=False, params=n.params); t.train()")
+
+
+FUNCTION_FIELD = """
+import dataclasses, functools
+from typing import Any
+import jax, jax.numpy as jnp, numpy as np, optax
+from nitro_ipy import Device, GraphConst, Nitro
+
+def act(h, scale=1.0):
+    return h * scale
+
+@dataclasses.dataclass
+class F:
+    lr: Device[float] = 0.0
+    acts: GraphConst[Any] = None
+
+    def init(self, rng):
+        return {"w": jnp.ones((2,))}
+
+    def forward(self, params, *, x):
+        return self.acts[0](x @ params["w"])
+
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+
+X = np.ones((8, 2), np.float32)
+data = {"train": {"x": X, "y": np.zeros(8, np.float32)}}
+n = Nitro(F(acts=(HELD,)), data=data, batch_size=4, progress=False)
+n.train()
+before = n.predict({"x": X[:2]})
+"""
+
+
+@pytest.mark.parametrize("held", ["act", "functools.partial(act, scale=1.0)"])
+def test_a_function_held_in_a_graphconst_field_is_the_live_one_after_a_rebuild(ip, capsys, held):
+    """A user function (or a partial of one) in a GraphConst value, inside a tuple: the rebuilt handle's
+    experiment holds the function its name gives now, as it holds the live class of an instance."""
+    run(ip, capsys, FUNCTION_FIELD.replace("HELD", held))
+    run(ip, capsys, "def act(h, scale=1.0):\n    return h * scale * 3.0\n")
+    out = run(ip, capsys, "n2 = n.rebuild(); new = n2.predict({'x': X[:2]})")
+    shown = "(<function act>,)" if held == "act" else "(functools.partial(<function act>, scale=1.0),)"
+    assert "compiled predict [forward] in " in out and f"(GraphConst `acts`: {shown}, its function redefined)" in out, out
+    np.testing.assert_allclose(ip.user_ns["new"], 3.0 * ip.user_ns["before"], rtol=1e-6)
+    assert STALE_LINE not in out
