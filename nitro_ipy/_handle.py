@@ -31,6 +31,11 @@ from ._sharding import in_mesh, pace, placement
 _strong = strong  # the name benchmarks/profile_handle.py imports
 
 
+def check_positive_int(name: str, value, also: str = "") -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise NitroValueError(f"`{name}` must be a positive integer{also}; got {value!r}.")
+
+
 class Nitro:
     """A training handle on experiment `e`. Construction runs setup only; programs compile on first use.
 
@@ -120,8 +125,7 @@ class Nitro:
     def _setup(self, e, options: dict, carry: tuple | None, given: tuple | None = None):
         batch_size, max_epochs, accum = options["batch_size"], options["max_epochs"], options["accum"]
         for name, value in (("batch_size", batch_size), ("max_epochs", max_epochs), ("accum", accum)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-                raise NitroValueError(f"`{name}` must be a positive integer; got {value!r}.")
+            check_positive_int(name, value)
         self.batch_size, self.max_epochs, self.accum = int(batch_size), int(max_epochs), int(accum)
         self.seed, self.progress, self.flat_params = options["seed"], options["progress"], options["flat_params"]
         self._options = options
@@ -352,6 +356,8 @@ class Nitro:
         `run.wait()` (see `_runs.py`). Ctrl-C in the foreground raises `TrainingInterrupted`, one line,
         with the handle usable.
         """
+        if epochs is not None:  # before anything runs: `train(0)` would return [] as if it had trained
+            check_positive_int("epochs", epochs, " (or None for `max_epochs`)")
         self._enter("train")
         b = self._binding
         b.need_loss("training")

@@ -247,3 +247,13 @@ def test_bfloat16_values_are_numbers_everywhere_a_number_is_taken():
     m.set(lr=bf16(5e-3))
     with pytest.raises(nitro_ipy.NonFiniteLossError, match=r"field `x` \(1 non-finite: nan\)"):
         m.train()
+
+
+@pytest.mark.parametrize("epochs", [0, -1, 1.5, True, "2"])
+def test_train_refuses_an_epoch_count_that_is_not_a_positive_integer(epochs):
+    n = Nitro(Reg(), data={"train": _data(16)}, batch_size=8, progress=False)
+    with pytest.raises(nitro_ipy.NitroValueError, match=re.escape(
+            f"`epochs` must be a positive integer (or None for `max_epochs`); got {epochs!r}.")):
+        n.train(epochs)
+    assert n.step == 0 and nitro_ipy.cache_stats().misses == 0
+    assert n.train(np.int64(1))[0]["epoch"] == 1  # a numpy integer is an integer
