@@ -107,7 +107,7 @@ def _content_map(value, path: str, depth: int = 0, parent: str | None = None) ->
 def manifest(n) -> dict:
     """The experiment and the training position of handle `n`, as JSON-able data."""
     b = n._binding
-    e = b.experiment
+    e = n.experiment  # with the values `n.set(...)` gave (the binding keeps the ones it was made with)
     return {
         "format": FORMAT,
         "experiment": b.owner,

@@ -135,6 +135,19 @@ def test_resume_lists_device_host_and_hook_changes_without_refusing(tmp_path, me
                               "  Host `notes`: '' -> 'run 2'\n  hook `loss` edited since the checkpoint")
 
 
+def test_a_checkpoint_records_the_values_n_set_gave(tmp_path, messages):
+    """`n.set` changes the handle's Device and Host values: the manifest holds those, so a resume with
+    the experiment's own values says they differ."""
+    n = _handle()
+    n.train(1)
+    n.set(lr=1e-3, notes="lower lr")
+    path = n.save(tmp_path / "c")
+    resumed = _handle(resume=path)
+    said = [m for m in messages if m.kind == _report.Kind.RESUMED][0]
+    assert said.data["notes"] == ("Device `lr`: 0.001 -> 0.01", "Host `notes`: 'lower lr' -> ''")
+    assert float(resumed._dev["lr"]) == np.float32(1e-2)  # the experiment given wins; the note says so
+
+
 def test_periodic_checkpoints_keep_the_newest_and_the_best(tmp_path):
     d = tmp_path / "run"
     n = _handle(checkpoint_dir=d, checkpoint_every=1, keep=2, keep_best=("valid_loss", "min"))
