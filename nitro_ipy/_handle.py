@@ -303,7 +303,8 @@ class Nitro:
             fn = spec.build(self._binding, self._model, self.accum, hook, **fields)
             entry = _compile.compile_program(key, fn, args, donate_argnums=spec.donate,
                                              info={"graphconst": self._binding.graphconst.info},
-                                             record=_closure.record, compiler_options=spec.compiler_options,
+                                             record=_closure.record_hooks(self._binding.cls, [h for h, _ in key.hooks]),
+                                             compiler_options=spec.compiler_options,
                                              sources=self._binding.graphconst_sources,
                                              out_shardings=self._place.out_shardings(spec.kind, args, self._model))
             first = self._kinds_seen.get(key.kind)

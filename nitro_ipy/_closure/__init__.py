@@ -8,6 +8,7 @@ from ._persist import closure_from_records as closure_from_records
 from ._persist import closure_records as closure_records
 from ._persist import live_module_namespace as live_module_namespace
 from ._recorder import Recorder as Recorder, note_class_attr as note_class_attr, record as record, replay as replay
+from ._recorder import record_hooks as record_hooks
 from ._records import CellDep as CellDep, ClassAttrDep as ClassAttrDep, FuncDep as FuncDep, ValueDep as ValueDep
 
 # benchmarks/bench_staleness.py times each kind of check on its own, telling the value checks apart by it.
@@ -26,5 +27,6 @@ __all__ = [
     "live_module_namespace",
     "note_class_attr",
     "record",
+    "record_hooks",
     "replay",
 ]

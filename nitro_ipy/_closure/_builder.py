@@ -33,6 +33,7 @@ class Builder:
         self.digests: dict[str, str | None] = {}
         self.executed: set[tuple[str, str]] = set()  # (module, qualname) the trace ran
         self.superseded: set[str] = set()  # functions run whose name resolves to other code now
+        self.via_class: set[int] = set()  # ids of the codes of the class attributes read (a method, a hook)
 
     def function(self, code: types.CodeType, ns: dict, cells) -> None:
         """Add a user function (by code), the globals it reads and, recursively, what those hold."""
@@ -51,14 +52,19 @@ class Builder:
         # Resolvable by name now, to this very code? Otherwise it is anonymous (see README.md).
         live = resolve_function(live_namespace(module, ns, {}), qualname)
         anonymous = live is None or fp not in live
-        if anonymous and live is not None and (module, qualname) in self.executed and self._method(ns, qualname):
+        if id(code) in self.via_class:
+            # Read as a class attribute (`self.act`, a hook of the experiment class): that attribute's
+            # check follows what the class resolves it to now. Its own name may mean other code by now
+            # (a base class re-run that the subclass does not inherit from yet) without this one moving.
+            anonymous = False
+        elif anonymous and live is not None and (module, qualname) in self.executed and self._method(ns, qualname):
             # The trace ran a method its name no longer means (of a class redefined since the instance
             # was made): the program is stale at birth, never served as live. Checked by name all the
             # same, so that reverting the edit revives it. (A plain function run under another name, say
             # through a decorator without `functools.wraps`, is checked through what holds it.)
             self.superseded.add(dep.qualified)
             anonymous = False
-        self.functions[id(code)] = (dep, ns, anonymous)
+        self.functions[id(code)] = (dep, ns, anonymous, id(code) in self.via_class)
         self.codes.append(code)
         found = reads(code)
         for name in found.names:
@@ -158,11 +164,11 @@ class Builder:
         # A function bound to a global that is itself a tracked dependency needs no check of its own: the
         # global's fingerprint covers its code (and its defaults and cells).
         covered = {(id(ns), dep.name) for dep, ns, _snap in self.values.values() if dep.fingerprint}
-        for dep, ns, anon in self.functions.values():
+        for dep, ns, anon, via_class in self.functions.values():
             functions.append(dep)
             if anon:
                 anonymous.add(dep.qualified)
-            elif (id(ns), dep.qualname) not in covered:
+            elif (id(ns), dep.qualname) not in covered and not via_class:
                 checks.append(function_check(dep, ns))
             if dep.file_digest is not None:
                 files.append(FileBacked(dep, ns, anon))

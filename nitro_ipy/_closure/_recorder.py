@@ -9,6 +9,8 @@ from ._builder import Builder
 from ._index import Frame, traceback_functions
 from ._model import Closure
 from ._probes import probes
+from ._records import MISSING
+from ._resolve import static_attr, underlying
 
 
 class Recorder:
@@ -45,6 +47,8 @@ class Recorder:
             for frame in traceback_functions(self._jaxprs, roots):
                 self._frames.setdefault(id(frame.code), frame)
         builder = Builder()
+        builder.via_class = {id(fn.__code__) for _cls, _name, attr in self._attrs.values()
+                             for fn in underlying(attr)}
         frames = [f for f in self._frames.values() if f is not None]
         if self._keep:
             self.kept = (tuple(frames), tuple(self._attrs.values()))
@@ -94,6 +98,34 @@ class Recorder:
             except Exception:
                 cells = None
         self._frames[id(code)] = Frame(code, frame.f_globals, cells)
+
+
+class _HookRecorder(Recorder):
+    """A `Recorder` that also notes each hook as read from the experiment class (`record_hooks`)."""
+
+    __slots__ = ("_hooks",)
+
+    def __init__(self, keep: bool, cls: type, names: tuple):
+        super().__init__(keep)
+        self._hooks = (cls, names)
+
+    def __enter__(self) -> Recorder:
+        super().__enter__()
+        cls, names = self._hooks
+        for name in names:
+            attr = static_attr(cls, name)
+            if attr is not MISSING:
+                note_class_attr(cls, name, attr)
+        return self
+
+
+def record_hooks(cls: type, names: tuple):
+    """A `record` for a program that traces hooks `names` of experiment class `cls`: each is a
+    dependency as the class resolves it (`Sub.loss`, maybe inherited), so a subclass whose cell now
+    overrides a hook it inherited is drift, and a base class re-run alone, which the subclass still
+    does not inherit from, is not. The functions it resolves to are checked through that attribute,
+    not by their own names (`Builder.function`)."""
+    return lambda keep=False: _HookRecorder(keep, cls, tuple(names))
 
 
 def record(keep: bool = False) -> Recorder:
