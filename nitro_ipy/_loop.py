@@ -81,9 +81,10 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
     - `steps`: optimizer steps in the epoch (the progress display's total).
     - `gate`: the train call's control (Ctrl-C, a stop request); default: a fresh `InterruptGate`.
 
-    **Returns:** `(mean training loss, skipped steps)`. With `on_nonfinite="raise"` a step with a NaN or
-    infinite loss, gradient or Device value raises `NonFiniteLossError` at the next sync point; the
-    optimizer program has kept the parameters of the last finite step (`_guard`).
+    **Returns:** `(mean training loss, skipped steps)`; the mean is NaN when every step was skipped.
+    With `on_nonfinite="raise"` a step with a NaN or infinite loss, gradient or Device value raises
+    `NonFiniteLossError` at the next sync point; the optimizer program has kept the parameters of the
+    last finite step (`_guard`).
     """
     place = n._place  # on a mesh, each batch is split along the data axis as it is drawn
     # An epoch an interrupt cut short goes on at its next batch, with the losses it had: an interrupted
@@ -91,7 +92,7 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
     start, total, n_loss = n._cursor if n._cursor[0] <= steps else (0, 0.0, 0)
     n._cursor = (start, total, n_loss)  # read by `nonfinite_error` while the epoch runs
     if start == steps:  # every step was taken, the epoch not counted yet (Ctrl-C after its last step)
-        return total / max(n_loss, 1), 0  # the caller counts it and resets the cursor
+        return mean_loss(total, n_loss), 0  # the caller counts it and resets the cursor
     batches = place.batches(train_batches(split, fields, n.batch_size, n.accum, (n.seed, n.epoch), start),
                             n.accum > 1)
     step0 = n.step
@@ -166,7 +167,12 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
     # Every step taken: the cursor stays at the epoch's end until the caller counts the epoch, so a
     # Ctrl-C landing in between leaves an epoch the next call counts, never one it replays.
     n._cursor = (steps, total + seen[0], n_loss + seen[1])
-    return (total + seen[0]) / max(n_loss + seen[1], 1), _guard.bad_steps(guard)
+    return mean_loss(total + seen[0], n_loss + seen[1]), _guard.bad_steps(guard)
+
+
+def mean_loss(total: float, count: int) -> float:
+    """The epoch's mean finite loss; NaN when it had none (every step skipped), never a perfect 0.0."""
+    return total / count if count else float("nan")
 
 
 def guard_parts(n) -> int:

@@ -197,6 +197,15 @@ def test_skipping_a_bad_step_mid_epoch_keeps_the_state_finite():
     assert all(np.isfinite(r["valid_loss"]) for r in rows)
 
 
+def test_an_epoch_whose_every_step_was_skipped_reports_no_loss_rather_than_zero():
+    dirty = _data(24)
+    dirty["x"][:, 0] = np.nan
+    n = Nitro(Reg(), data={"train": dirty, "valid": _data(24)}, batch_size=BS, on_nonfinite="skip", progress=False)
+    row = n.train()[0]
+    assert row["skipped"] == 3 and np.isnan(row["loss"])  # 0.0 would read as a perfect fit
+    assert np.isfinite(row["valid_loss"])
+
+
 def test_on_nonfinite_is_checked_at_setup():
     with pytest.raises(nitro_ipy.NitroValueError, match=r'`on_nonfinite` must be "raise" .* or "skip" .*; got \'ignore\''):
         Nitro(Reg(), data={"train": _data(16)}, on_nonfinite="ignore")
