@@ -139,6 +139,8 @@ class Binding:
             value = np.asarray(got, dtype=want.dtype)
             if want.dtype.kind in "biu":
                 check_whole(self.cls, name, got, value, step)
+            if value.shape != want.shape and value.shape == ():  # a scalar broadcasts, as `n.set` does
+                value = np.array(np.broadcast_to(value, want.shape))
             if value.shape != want.shape:
                 raise NitroValueError(
                     f"schedule for `{name}` returned shape {value.shape} at step {step}; the field has "

@@ -62,7 +62,7 @@ def check_schedule_value(cls, name: str, fn, step: int, want: np.ndarray) -> np.
             f"schedule for Device field {field} returned a complex value ({short_repr(got)}) at step "
             f"{step}; the field is {want.dtype}: return a real number (`.real`, `abs(...)`)."
         )
-    if arr.shape != want.shape:
+    if arr.shape != want.shape and arr.shape != ():  # a scalar broadcasts, as `n.set` does
         raise NitroValueError(
             f"schedule for `{name}` returned shape {arr.shape} at step {step}; the field has shape "
             f"{want.shape}: return {expect}."
@@ -72,7 +72,7 @@ def check_schedule_value(cls, name: str, fn, step: int, want: np.ndarray) -> np.
             f"schedule for Device field {field} returned {short_repr(got)} at step {step}, which is not "
             f"finite; a non-finite hyperparameter turns every parameter into NaN. Return a finite value."
         )
-    return check_whole(cls, name, got, np.asarray(arr, want.dtype), step)
+    return check_whole(cls, name, got, np.array(np.broadcast_to(np.asarray(arr, want.dtype), want.shape)), step)
 
 
 def check_whole(cls, name: str, got, value: np.ndarray, step: int) -> np.ndarray:

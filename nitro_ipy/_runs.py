@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from . import _cache, _report
-from ._checks import numeric_array
+from ._checks import kind, numeric_array
 from ._errors import HandleBusyError, NitroTypeError, NitroValueError
 from ._fields import field_kinds, short_repr
 from ._loop import InterruptGate
@@ -422,6 +422,11 @@ def _coerce(b, name: str, value) -> np.ndarray:
         raise NitroTypeError(
             f"Device field `{name}` holds a {want.dtype} array of shape {want.shape}; got "
             f"{type(value).__qualname__} ({short_repr(value)})."
+        )
+    if kind(arr.dtype) in "fc" and not np.isfinite(arr).all():  # as a schedule's first value is refused
+        raise NitroValueError(
+            f"Device field `{name}` would be {short_repr(value)}, which is not finite; a non-finite "
+            f"hyperparameter turns every parameter into NaN. Pass a finite value."
         )
     cast = arr.astype(want.dtype)
     if want.dtype.kind in "biu" and not np.array_equal(cast, arr):

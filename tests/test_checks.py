@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import nitro_ipy
-from nitro_ipy import GraphConst, Nitro
+from nitro_ipy import Device, GraphConst, Nitro
 
 from _experiments import Reg, data as _data  # the tiny regression most tests train, and its data
 
@@ -139,7 +139,7 @@ def _odd_init(leaf):
 
 def test_init_leaf_that_is_neither_array_nor_static_is_named_by_path():
     with pytest.raises(nitro_ipy.NitroTypeError, match=r"^`params\['cfg'\]\['act'\]` is object \(<object "
-                       r"object at 0x[0-9a-f]+>\): neither an array \(trained or carried\) nor a static value"):
+                       r"object>\): neither an array \(trained or carried\) nor a static value"):
         Nitro(_odd_init(object())(), data={"train": _data(16)})
 
 
@@ -192,6 +192,20 @@ def test_a_schedule_is_checked_on_its_first_value_before_any_compile(value, erro
     with pytest.raises(error, match=text):
         n.train()
     assert nitro_ipy.cache_stats().misses == 0
+
+
+def test_a_schedule_s_scalar_broadcasts_to_an_array_field_as_set_does():
+    @dataclasses.dataclass
+    class Scaled(Reg):
+        scale: Device[np.ndarray] = dataclasses.field(default_factory=lambda: np.ones(3, np.float32))
+
+        def forward(self, params, *, x):
+            return Reg.forward(self, params, x=x) * self.scale.mean()
+
+    n = Nitro(Scaled(), data={"train": _data(32)}, batch_size=8, progress=False, schedules={"scale": lambda s: 0.5 + s})
+    n.train()
+    assert n._dev["scale"].tolist() == [3.5, 3.5, 3.5]  # the last step's (step 3) value, in every element
+    assert nitro_ipy.cache_stats().misses == 2
 
 
 @pytest.mark.parametrize("schedule,step", [(lambda s: 0.05, 0), (lambda s: 1.0 / (1 + s), 1)])

@@ -373,6 +373,10 @@ def test_set_refuses_what_it_cannot_do_and_sets_nothing_then():
         n.set(count=2.5)
     with pytest.raises(nitro_ipy.NitroTypeError, match=r"`lr` holds a float32 array of shape \(\); got str"):
         n.set(lr="fast")
+    for bad in (float("nan"), float("inf"), [1.0, float("nan"), 1.0]):  # as a schedule's value is refused
+        with pytest.raises(nitro_ipy.NitroValueError, match=r"would be .*, which is not finite; a non-finite "
+                                                             r"hyperparameter turns every parameter into NaN"):
+            n.set(lr=bad) if np.ndim(bad) == 0 else n.set(scale=bad)
     n.set(scale=0.5, count=3.0)  # a scalar broadcasts; a whole float is a fine int
     assert n._dev["scale"].tolist() == [0.5, 0.5, 0.5] and n._dev["count"].dtype == np.int32
     n.train()
