@@ -125,17 +125,31 @@ def _stale_cache_text(count: int, names: tuple, kinds: tuple) -> str:
     )
 
 
+def handle_name(handle) -> str:
+    """The notebook variable bound to `handle` (`m`, `run2`), for the rebuild line to name; `n` when none
+    is (a handle in a list, a script)."""
+    if handle is not None:
+        from ._origin import user_namespaces  # (here: `_origin` is heavier than this module's other imports)
+
+        ns = user_namespaces()[0][1]
+        found = sorted(k for k, v in list(ns.items()) if v is handle and k.isidentifier() and not k.startswith("_"))
+        if found:
+            return "n" if "n" in found else found[0]
+    return "n"
+
+
 def _stale_handle_text(names: tuple, kinds: tuple, handle=None, schedules: tuple = ()) -> str:
+    name = handle_name(handle)
     if not names:  # only a schedule was edited: the programs are current
         return (
             f"! this handle's {', '.join(schedules)} was redefined. It keeps calling the one it was built "
-            f"with; to use the current code, rebuild it: `n = n.rebuild()`"
+            f"with; to use the current code, rebuild it: `{name} = {name}.rebuild()`"
         )
     also = f"; its {', '.join(schedules)} was redefined too" if schedules else ""
     return (
         f"! this handle's compiled programs had dependency methods redefined: {', '.join(names)} "
         f"({', '.join(sorted(set(kinds)))}){also}. It keeps running the programs it was built with; to "
-        f"use the current code, rebuild it: `n = n.rebuild()`"
+        f"use the current code, rebuild it: `{name} = {name}.rebuild()`"
     )
 
 

@@ -619,3 +619,13 @@ def test_a_base_class_re_run_alone_moves_nothing_its_old_subclass_runs(ip, capsy
     assert "compiled grad" in out and "stale" not in out, out
     if edited == "act":
         np.testing.assert_allclose(ip.user_ns["new"], 3.0 * ip.user_ns["before"], rtol=1e-6)
+
+
+def test_the_stale_line_names_the_variable_the_handle_is_bound_to(ip, capsys):
+    run(ip, capsys, BASE.format(defs="def helper(z):\n    return z\n", forward='helper(x @ params["w"])'))
+    run(ip, capsys, "model_b = n\ndel n")
+    run(ip, capsys, "def helper(z):\n    return z * 3.0\n")
+    out = run(ip, capsys, "model_b.predict({'x': X[:2]})")
+    assert out.count("rebuild it: `model_b = model_b.rebuild()`") == 1, out
+    out = run(ip, capsys, "handles = [model_b]\ndel model_b\nhandles[0].predict({'x': X[:2]})")
+    assert "rebuild it: `n = n.rebuild()`" in out, out  # bound to no name: the usual one
