@@ -582,7 +582,7 @@ def _work() -> None:
                 status, entry, detail = _compile.compile_ahead(
                     job.key, job.fn, job.args, donate_argnums=job.spec.donate,
                     info={"graphconst": b.graphconst.info},
-                    record=_closure.record_hooks(b.cls, [h for h, _ in job.key.hooks]),
+                    record=_closure.record_hooks(b.cls, job.key.hooks),
                     compiler_options=job.spec.compiler_options, sources=b.graphconst_sources,
                     out_shardings=job.out_shardings,
                     ahead=_report.BESIDE_TRAINING if job.after >= 0 else _report.AFTER_EDIT)

@@ -14,7 +14,8 @@ import numpy as np
 import optax
 
 from . import _closure
-from ._checks import check_positional_not_a_field, check_schedule_value, check_whole, check_schedules_arg, numeric_array
+from ._checks import (check_positional_not_a_field, check_schedule_value, check_schedules_arg, check_whole,
+                      numeric_array)
 from ._data import check_splits
 from ._errors import NitroTypeError, NitroValueError
 from ._fields import CompileView, GraphConstPrints, field_kinds, graphconst_prints, short_repr

@@ -26,6 +26,12 @@ def check_on_nonfinite(mode) -> str:
     return mode
 
 
+def check_positive_int(name: str, value, also: str = "") -> None:
+    """`batch_size`, `max_epochs`, `accum`, `train(epochs)`: an int (numpy's too), not a bool, at least 1."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise NitroValueError(f"`{name}` must be a positive integer{also}; got {value!r}.")
+
+
 def kind(dtype) -> str:
     """numpy's kind letter of `dtype`, with `"f"` for the floats `ml_dtypes` adds (bfloat16, the float8s),
     whose own kind is `"V"`."""

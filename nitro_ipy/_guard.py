@@ -106,15 +106,20 @@ def kept_if_finite(checked: list, new, old):
     old_leaves, old_def = jax.tree.flatten(old)
     if new_def != old_def or not all(same(a, b) for a, b in zip(new_leaves, old_leaves)):
         return new
-    ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(c)) for c in checked]))
+    ok = ~jnp.any(_bad_parts(checked))
     return new_def.unflatten([jnp.where(ok, a, b) for a, b in zip(new_leaves, old_leaves)])
+
+
+def _bad_parts(checked: list):
+    """One bool per value of `checked`: whether any of its elements is non-finite."""
+    return jnp.stack([~jnp.all(jnp.isfinite(c)) for c in checked])
 
 
 def decide(guard, checked: list, halt: bool):
     """`(apply, new guard)`: whether this step's update applies (every value of `checked` is finite and,
     with `halt`, no earlier step was bad), and the guard that records it (and the loss, `checked[0]`).
     Traced inside the optimizer program."""
-    bad_parts = jnp.stack([~jnp.all(jnp.isfinite(c)) for c in checked])
+    bad_parts = _bad_parts(checked)
     bad = jnp.any(bad_parts)
     apply = ~bad & (guard[BAD] == 0) if halt else ~bad
     first_time = bad & (guard[FIRST] < 0)

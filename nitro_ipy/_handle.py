@@ -17,7 +17,7 @@ import numpy as np
 from . import _ahead, _cache, _carry, _checkpoint, _closure, _compile, _html, _loop, _progress, _report, _reuse, _runs, _store
 from ._binding import bind
 from ._checks import (check_metric_count, check_metric_result, check_metric_sum_shape, check_not_empty,
-                      check_on_nonfinite)
+                      check_on_nonfinite, check_positive_int)
 from ._data import check_splits, eval_batches, split_len, steps_per_epoch
 from ._errors import NitroValueError
 from ._layout import FlatLayout, TreeLayout
@@ -29,11 +29,6 @@ from ._sharding import in_mesh, pace, placement
 
 
 _strong = strong  # the name benchmarks/profile_handle.py imports
-
-
-def check_positive_int(name: str, value, also: str = "") -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise NitroValueError(f"`{name}` must be a positive integer{also}; got {value!r}.")
 
 
 class Nitro:
@@ -186,7 +181,9 @@ class Nitro:
         self._cursor = (0, 0.0, 0)
         self._programs: dict = {}  # key -> Entry: what this handle runs (kept even if poisoned)
         self._guard_parts = None  # values a step's guard checks (`_loop.guard_parts`), once known
-        self._shared = True  # params or optimizer state handed out (or given) since the last step: copied before one donates them
+        # Params or optimizer state handed out since the last step: the next one copies them before it
+        # donates them, if they are still held (`_loop.unshare`).
+        self._shared = True
         self._progress = None  # the running train() call's `_progress.Progress`, read by the step loop
         self._curve: list = []  # (epoch position, train loss) at sync points: the chart of the panel and `plot()`
         self._kinds_seen: dict = {}  # kind -> key of the first program of that kind
@@ -303,7 +300,7 @@ class Nitro:
             fn = spec.build(self._binding, self._model, self.accum, hook, **fields)
             entry = _compile.compile_program(key, fn, args, donate_argnums=spec.donate,
                                              info={"graphconst": self._binding.graphconst.info},
-                                             record=_closure.record_hooks(self._binding.cls, [h for h, _ in key.hooks]),
+                                             record=_closure.record_hooks(self._binding.cls, key.hooks),
                                              compiler_options=spec.compiler_options,
                                              sources=self._binding.graphconst_sources,
                                              out_shardings=self._place.out_shardings(spec.kind, args, self._model))

@@ -52,7 +52,8 @@ class Builder:
         # Resolvable by name now, to this very code? Otherwise it is anonymous (see README.md).
         live = resolve_function(live_namespace(module, ns, {}), qualname)
         anonymous = live is None or fp not in live
-        if id(code) in self.via_class:
+        via_class = id(code) in self.via_class
+        if via_class:
             # Read as a class attribute (`self.act`, a hook of the experiment class): that attribute's
             # check follows what the class resolves it to now. Its own name may mean other code by now
             # (a base class re-run that the subclass does not inherit from yet) without this one moving.
@@ -64,7 +65,7 @@ class Builder:
             # through a decorator without `functools.wraps`, is checked through what holds it.)
             self.superseded.add(dep.qualified)
             anonymous = False
-        self.functions[id(code)] = (dep, ns, anonymous, id(code) in self.via_class)
+        self.functions[id(code)] = (dep, ns, anonymous, via_class)
         self.codes.append(code)
         found = reads(code)
         for name in found.names:

@@ -119,13 +119,14 @@ class _HookRecorder(Recorder):
         return self
 
 
-def record_hooks(cls: type, names: tuple):
-    """A `record` for a program that traces hooks `names` of experiment class `cls`: each is a
-    dependency as the class resolves it (`Sub.loss`, maybe inherited), so a subclass whose cell now
-    overrides a hook it inherited is drift, and a base class re-run alone, which the subclass still
-    does not inherit from, is not. The functions it resolves to are checked through that attribute,
-    not by their own names (`Builder.function`)."""
-    return lambda keep=False: _HookRecorder(keep, cls, tuple(names))
+def record_hooks(cls: type, hooks: tuple):
+    """A `record` for a program whose key holds `hooks` (`Key.hooks`: `((name, fingerprint), ...)`) of
+    experiment class `cls`: each hook is a dependency as the class resolves it (`Sub.loss`, maybe
+    inherited), so a subclass whose cell now overrides a hook it inherited is drift, and a base class
+    re-run alone, which the subclass still does not inherit from, is not. The functions it resolves to
+    are checked through that attribute, not by their own names (`Builder.function`)."""
+    names = tuple(name for name, _fp in hooks)
+    return lambda keep=False: _HookRecorder(keep, cls, names)
 
 
 def record(keep: bool = False) -> Recorder:
