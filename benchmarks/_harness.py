@@ -74,7 +74,8 @@ def elapsed() -> float:
 def settle(timeout: float = 120) -> None:
     """Wait for nitro_ipy's idle-time background work (a compile ahead, a trace-reuse warming): it runs
     in a user's reading time, so no timed side, nitro's or the baseline's, runs beside it."""
-    from nitro_ipy import _ahead, _reuse
+    from nitro_ipy._training import _ahead
+    from nitro_ipy._compiler import _reuse
 
     _ahead.wait(timeout)
     _reuse.wait(timeout)

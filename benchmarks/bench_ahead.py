@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
 
 import nitro_ipy  # noqa: E402
-from nitro_ipy import _ahead, _loop  # noqa: E402
+from nitro_ipy._training import _ahead, _loop  # noqa: E402
 
 TARGETS = {"pause": 0.10, "cycle": 0.30, "foreground": 1.10}
 DEEP = dict(in_dim=16, width=32, depth=120, batch=64, steps=48, valid=256)
@@ -141,7 +141,7 @@ def cycle(sh: Shell, k: int, pause: float) -> dict:
     finally:
         _loop.train_batches = probe.source
     nitro_first = probe.t - t0
-    ahead = [e for e in nitro_ipy._cache.live_entries() if e.kind in ("grad", "eval")]
+    ahead = [e for e in nitro_ipy._compiler._cache.live_entries() if e.kind in ("grad", "eval")]
     stats1 = nitro_ipy.cache_stats()
     if stats1.misses - stats0.misses != 2:  # grad and eval, nothing more (or the edit went unseen)
         raise RuntimeError(f"the edit compiled {stats1.misses - stats0.misses} programs, not 2 (grad, eval)")

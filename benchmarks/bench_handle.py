@@ -41,7 +41,8 @@ import numpy as np  # noqa: E402
 
 import nitro_ipy  # noqa: E402
 from nitro_ipy import Nitro  # noqa: E402
-from nitro_ipy import _cache, _compile, _report  # noqa: E402
+from nitro_ipy._compiler import _cache, _compile  # noqa: E402
+from nitro_ipy._base import _report
 
 TARGETS = {"tiny_epoch": 1.00, "deep_epoch": 0.60, "edit_cycle": 0.50, "issue_epoch": 1.00}
 

@@ -40,7 +40,9 @@ import optax
 from IPython.core.interactiveshell import InteractiveShell
 
 import nitro_ipy
-from nitro_ipy import Device, GraphConst, Nitro, _cache, _report
+from nitro_ipy import Device, GraphConst, Nitro
+from nitro_ipy._compiler import _cache
+from nitro_ipy._base import _report
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness as H  # noqa: E402
@@ -181,7 +183,7 @@ class _TimedSink:
 
 
 def bench_panel(ip, steps: int, rounds: int) -> dict:
-    from nitro_ipy._widgets import Panel, RichSink
+    from nitro_ipy._notebook._widgets import Panel, RichSink
 
     batch = 32
     # progress=True, as in a notebook: the epoch line is one of the panel's events (the bar costs both sides).

@@ -143,7 +143,7 @@ def child(side: str, cells: int, edits: int, warmup: int) -> dict:
     out = {"side": side, "start": start, "end": end, "edits": done}
     if side == "nitro":
         import nitro_ipy
-        from nitro_ipy import _cache
+        from nitro_ipy._compiler import _cache
 
         out["stats"] = list(nitro_ipy.cache_stats())
         out["held_poisoned"] = sum(1 for e in _cache.poisoned_entries() if e.call is not None)

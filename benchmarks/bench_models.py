@@ -242,7 +242,7 @@ def eval_compile(data, rounds: int):
         nitro_ipy.cache_reset()
         n = Nitro(Digits(), data=data, batch_size=BATCH, progress=False)
         _quiet(n.validate)
-        (entry,) = [e for e in nitro_ipy._cache.live_entries() if e.key.kind == "eval"]
+        (entry,) = [e for e in nitro_ipy._compiler._cache.live_entries() if e.key.kind == "eval"]
         return entry.trace_s + entry.compile_s
 
     def man():

@@ -48,7 +48,8 @@ def child(mode: str, cache: str) -> dict:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     import nitro_ipy
-    from nitro_ipy import Nitro, _report
+    from nitro_ipy import Nitro
+    from nitro_ipy._base import _report
 
     lines = []
     _report.set_sink(lambda m: lines.append(m.text))
@@ -62,7 +63,7 @@ def child(mode: str, cache: str) -> dict:
         n.train()
         jax.block_until_ready(n.params)
         out["first_epoch_s"] = time.perf_counter() - t0
-        from nitro_ipy import _checkpoint
+        from nitro_ipy._training import _checkpoint
 
         parts = {k: [] for k in ("save", "save_waited", "manifest", "host_copy", "commit", "epoch_after_save",
                                  "epoch")}

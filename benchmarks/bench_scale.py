@@ -47,7 +47,8 @@ from _harness import log  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import nitro_ipy  # noqa: E402
-from nitro_ipy import Nitro, _report, _sharding  # noqa: E402
+from nitro_ipy import Nitro  # noqa: E402
+from nitro_ipy._base import _report, _sharding
 
 TARGET = 1.10
 # A dispatch-bound MLP: each step is a few microseconds of maths, so what shows is the per-step host

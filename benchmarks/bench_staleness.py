@@ -47,7 +47,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import nitro_ipy
-from nitro_ipy import _cache, _closure, _compile, _report, _world
+from nitro_ipy._compiler import _cache, _compile
+from nitro_ipy import _closure
+from nitro_ipy._base import _report, _world
 from nitro_ipy import Nitro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -56,7 +56,10 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import nitro_ipy  # noqa: E402
-from nitro_ipy import Nitro, _ahead, _cache, _compile, _guard, _programs, _report, _reuse  # noqa: E402
+from nitro_ipy import Nitro  # noqa: E402
+from nitro_ipy._training import _ahead, _guard, _programs
+from nitro_ipy._compiler import _cache, _compile, _reuse
+from nitro_ipy._base import _report
 
 DEEP = dict(in_dim=16, width=32, depth=120, batch=64)
 TINY = dict(in_dim=8, width=32, depth=1, batch=32)

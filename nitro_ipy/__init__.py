@@ -3,43 +3,45 @@
 `import nitro_ipy` never imports IPython or ipywidgets; `%load_ext nitro_ipy` wires the notebook side.
 """
 
-from ._ahead import bump_world as bump_world
-from ._ahead import set_compile_ahead as set_compile_ahead
-from ._cache import CacheStats as CacheStats
-from ._cache import cache_reset as cache_reset
-from ._cache import cache_stats as cache_stats
-from ._errors import GraphConstHashError as GraphConstHashError
-from ._errors import HandleBusyError as HandleBusyError
-from ._errors import HostFieldAccessError as HostFieldAccessError
-from ._errors import NitroError as NitroError
-from ._errors import NitroTypeError as NitroTypeError
-from ._errors import NitroValueError as NitroValueError
-from ._errors import NitroWarning as NitroWarning
-from ._errors import NonFiniteLossError as NonFiniteLossError
-from ._fields import Device as Device
-from ._fields import GraphConst as GraphConst
-from ._fields import Host as Host
-from ._fields import assert_graphconst_hashable as assert_graphconst_hashable
-from ._fields import compile_view as compile_view
-from ._fields import device_fields as device_fields
-from ._fields import graphconst_field_hash as graphconst_field_hash
-from ._fields import graphconst_fields as graphconst_fields
-from ._fields import host_fields as host_fields
-from ._fingerprint import Unfingerprintable as Unfingerprintable
-from ._fingerprint import fingerprint as fingerprint
-from ._handle import Nitro as Nitro
-from ._handle import evaluate as evaluate
-from ._handle import predict as predict
-from ._handle import train as train
-from ._handle import validate as validate
-from ._hooks import metrics as metrics
-from ._reuse import set_trace_reuse as set_trace_reuse
-from ._store import cache_dir as cache_dir
-from ._store import set_cache_dir as set_cache_dir
-from ._runs import History as History
-from ._runs import Run as Run
-from ._runs import TrainingInterrupted as TrainingInterrupted
-from ._world import world as world
+from ._base._errors import GraphConstHashError as GraphConstHashError
+from ._base._errors import HandleBusyError as HandleBusyError
+from ._base._errors import HostFieldAccessError as HostFieldAccessError
+from ._base._errors import NitroError as NitroError
+from ._base._errors import NitroTypeError as NitroTypeError
+from ._base._errors import NitroValueError as NitroValueError
+from ._base._errors import NitroWarning as NitroWarning
+from ._base._errors import NonFiniteLossError as NonFiniteLossError
+from ._base._fingerprint import Unfingerprintable as Unfingerprintable
+from ._base._fingerprint import fingerprint as fingerprint
+from ._base._world import world as world
+from ._compiler._cache import CacheStats as CacheStats
+from ._compiler._cache import cache_reset as cache_reset
+from ._compiler._cache import cache_stats as cache_stats
+from ._compiler._reuse import set_trace_reuse as set_trace_reuse
+from ._compiler._store import cache_dir as cache_dir
+from ._compiler._store import set_cache_dir as set_cache_dir
+from ._experiment._fields import Device as Device
+from ._experiment._fields import GraphConst as GraphConst
+from ._experiment._fields import Host as Host
+from ._experiment._fields import (
+    assert_graphconst_hashable as assert_graphconst_hashable,
+)
+from ._experiment._fields import compile_view as compile_view
+from ._experiment._fields import device_fields as device_fields
+from ._experiment._fields import graphconst_field_hash as graphconst_field_hash
+from ._experiment._fields import graphconst_fields as graphconst_fields
+from ._experiment._fields import host_fields as host_fields
+from ._experiment._hooks import metrics as metrics
+from ._training._ahead import bump_world as bump_world
+from ._training._ahead import set_compile_ahead as set_compile_ahead
+from ._training._handle import Nitro as Nitro
+from ._training._handle import evaluate as evaluate
+from ._training._handle import predict as predict
+from ._training._handle import train as train
+from ._training._handle import validate as validate
+from ._training._runs import History as History
+from ._training._runs import Run as Run
+from ._training._runs import TrainingInterrupted as TrainingInterrupted
 
 __version__ = "0.1.0"
 
@@ -86,13 +88,13 @@ __all__ = [
 
 def load_ipython_extension(ip):
     """`%load_ext nitro_ipy`: the cell callbacks, the magics, the file watcher and the rich messages."""
-    from ._extension import load
+    from ._notebook._extension import load
 
     load(ip)
 
 
 def unload_ipython_extension(ip):
     """`%unload_ext nitro_ipy`: removes every cell callback and the magics, and stops the file watcher."""
-    from ._extension import unload
+    from ._notebook._extension import unload
 
     unload(ip)

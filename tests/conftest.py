@@ -15,7 +15,8 @@ import signal
 import pytest
 
 import nitro_ipy
-from nitro_ipy import _ahead, _reuse, _runs
+from nitro_ipy._training import _ahead, _runs
+from nitro_ipy._compiler import _reuse
 
 
 # Tests press Ctrl-C with real SIGINTs and check the handler the handle puts back: they want what a

@@ -16,7 +16,9 @@ from IPython.core.interactiveshell import InteractiveShell
 
 import nitro_ipy
 from _cells import TINY_EXPERIMENT
-from nitro_ipy import _ahead, _cache, _compile, _extension
+from nitro_ipy._training import _ahead
+from nitro_ipy._compiler import _cache, _compile
+from nitro_ipy._notebook import _extension
 
 EXPERIMENT = TINY_EXPERIMENT + "n = Nitro(Tiny(), data=data, batch_size=16, progress=False)\n"
 EDIT = "def helper(r):\n    return abs(r)\n"
@@ -97,7 +99,7 @@ def test_a_fresh_training_run_compiles_each_program_once_with_eval_ahead(capsys)
     background = _outcomes() == [("eval", "compiled")]
     assert lines[2].endswith("(compiled in the background as training started)") == background
     assert not any("after your edit" in line for line in lines)
-    assert [e.hits for e in nitro_ipy._cache.live_entries() if e.kind == "eval"] == [1 + 1]  # + 2nd train
+    assert [e.hits for e in nitro_ipy._compiler._cache.live_entries() if e.kind == "eval"] == [1 + 1]  # + 2nd train
 
 
 def test_validation_starts_compiling_while_the_gradient_program_is_in_xla():
@@ -666,7 +668,8 @@ EXIT_SCRIPT = "import sys, threading, time\n" + TINY_EXPERIMENT.replace(FORWARD,
     "            time.sleep(1.0)\n"
     "            open(MARK, 'a').write('trace finished\\n')\n"
 )) + '''
-from nitro_ipy import _ahead, _reuse
+from nitro_ipy._training import _ahead
+from nitro_ipy._compiler import _reuse
 WORKER, MARK = sys.argv[1], sys.argv[2]  # the thread whose trace the interpreter's exit meets
 n = Nitro(Tiny(), data={"train": data["train"]}, batch_size=16, max_epochs=1, progress=False)
 n.train()

@@ -9,7 +9,7 @@ import pytest
 
 import nitro_ipy
 from nitro_ipy import CacheStats, Device, GraphConst, Host, Nitro
-from nitro_ipy import _cache, _compile, _explain
+from nitro_ipy._compiler import _cache, _compile, _explain
 
 import _experiments  # the tiny regression most tests train, and its data
 from _experiments import data as _split

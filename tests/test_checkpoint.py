@@ -20,8 +20,9 @@ import optax
 import pytest
 
 import nitro_ipy
-from nitro_ipy import Device, GraphConst, Nitro, _report
-from nitro_ipy._checkpoint import ResumeMismatchError
+from nitro_ipy import Device, GraphConst, Nitro
+from nitro_ipy._base import _report
+from nitro_ipy._training._checkpoint import ResumeMismatchError
 
 
 @pytest.fixture
@@ -214,7 +215,7 @@ def test_an_epoch_whose_steps_all_ran_but_was_not_counted_is_counted_next_not_re
     (between the step loop's return and `n.epoch += 1`): the next `train()` counts that epoch without
     running its steps again. The window is a few bytecodes wide, so it is entered here by running the
     step loop the way `train()` does and not counting the epoch."""
-    from nitro_ipy import _loop, _runs
+    from nitro_ipy._training import _loop, _runs
 
     straight = _handle(Noisy())
     straight.train(2)

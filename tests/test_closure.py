@@ -1,4 +1,4 @@
-"""Dependency closures (`nitro_ipy._closure`) and the file watcher (`nitro_ipy._watch`).
+"""Dependency closures (`nitro_ipy._closure`) and the file watcher (`nitro_ipy._notebook._watch`).
 
 Helpers live in real module files under `tmp_path` (imported, edited, reloaded) or in real IPython cells;
 every program is really traced with `jax.jit(...).lower(...)`.
@@ -16,10 +16,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from nitro_ipy import _watch, _world
+from nitro_ipy._notebook import _watch
+
+from nitro_ipy._base import _world
 from nitro_ipy._closure import ClassAttrDep, ValueDep, note_class_attr, record
-from nitro_ipy._fields import CompileView
-from nitro_ipy._fingerprint import fingerprint
+from nitro_ipy._experiment._fields import CompileView
+from nitro_ipy._base._fingerprint import fingerprint
 
 X = jnp.ones(3)
 
@@ -731,7 +733,7 @@ def _held_by_memos(user_ns: dict) -> set[int]:
     not followed, nor library modules' globals (a clear function's), but the user's own are."""
     import gc
 
-    from nitro_ipy import _memo
+    from nitro_ipy._base import _memo
 
     library = {id(vars(m)) for m in list(sys.modules.values()) if isinstance(getattr(m, "__dict__", None), dict)}
     library.discard(id(user_ns))

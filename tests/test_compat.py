@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nitro_ipy import _compat
+from nitro_ipy._base import _compat
 
 
 def _traced(fn, *args):
@@ -100,7 +100,7 @@ def test_auto_axes_turns_explicit_axes_auto():
 
 
 def test_serialize_compiled_round_trips_an_executable():
-    from nitro_ipy._compat import deserialize_compiled, serialize_compiled
+    from nitro_ipy._base._compat import deserialize_compiled, serialize_compiled
 
     compiled = jax.jit(lambda p, x: {"y": p["w"] @ x}).trace({"w": jnp.ones((2, 2))}, jnp.ones(2)).lower().compile()
     payload, in_tree, out_tree = serialize_compiled(compiled)
@@ -110,7 +110,7 @@ def test_serialize_compiled_round_trips_an_executable():
 
 
 def test_compiled_device_ids_names_the_devices_a_program_was_compiled_for():
-    from nitro_ipy._compat import compiled_device_ids, deserialize_compiled, serialize_compiled
+    from nitro_ipy._base._compat import compiled_device_ids, deserialize_compiled, serialize_compiled
 
     device = jax.devices()[-1]  # on a multi-device process, not the default one
     x = jax.device_put(jnp.ones(2), device)
@@ -124,7 +124,7 @@ def test_compiled_device_ids_names_the_devices_a_program_was_compiled_for():
 def test_enable_jax_compilation_cache_points_jax_at_a_directory_and_leaves_a_users_own(tmp_path):
     from jax._src import compilation_cache
 
-    from nitro_ipy._compat import enable_jax_compilation_cache
+    from nitro_ipy._base._compat import enable_jax_compilation_cache
 
     try:
         assert enable_jax_compilation_cache(str(tmp_path / "a")) is True
@@ -143,7 +143,7 @@ def test_enable_jax_compilation_cache_points_jax_at_a_directory_and_leaves_a_use
 def test_own_compile_keeps_out_of_jax_cache_and_tells_a_served_executable(tmp_path):
     from jax._src import compilation_cache
 
-    from nitro_ipy._compat import enable_jax_compilation_cache, own_compile
+    from nitro_ipy._base._compat import enable_jax_compilation_cache, own_compile
 
     def lowered(k):
         return jax.jit(lambda x: jnp.sin(x) * k).lower(jnp.ones(7))

@@ -9,8 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import nitro_ipy
-from nitro_ipy import GraphConst, Nitro, _compile, _report
-from nitro_ipy._cache import Entry, Key
+from nitro_ipy import GraphConst, Nitro
+from nitro_ipy._compiler import _compile
+from nitro_ipy._base import _report
+from nitro_ipy._compiler._cache import Entry, Key
 
 
 def _module(name, **values):
@@ -93,7 +95,7 @@ def test_a_handle_without_large_constants_says_nothing_about_them(capsys):
     Nitro(Tiny(), data=data, batch_size=4, progress=False).train()
     out = capsys.readouterr().out
     assert "bakes in" not in out
-    assert all(e.constants == () and e.operations > 0 for e in nitro_ipy._cache.live_entries())
+    assert all(e.constants == () and e.operations > 0 for e in nitro_ipy._compiler._cache.live_entries())
 
 
 def test_a_slow_compile_says_how_many_operations_its_program_has():

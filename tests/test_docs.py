@@ -130,8 +130,8 @@ def test_the_jupyter_page_quotes_the_messages_as_the_code_writes_them():
     from IPython.core.error import UsageError
     from IPython.core.interactiveshell import InteractiveShell
 
-    from nitro_ipy import _magics, _widgets
-    from nitro_ipy._html import summarise_why
+    from nitro_ipy._notebook import _magics, _widgets
+    from nitro_ipy._base._html import summarise_why
 
     page = (ROOT / "docs" / "jupyter.md").read_text()
     flat, blocks = _flat(page), _text_blocks(page)

@@ -16,7 +16,9 @@ from IPython.core.interactiveshell import InteractiveShell
 
 import nitro_ipy
 from _cells import TINY_EXPERIMENT
-from nitro_ipy import _cache, _extension, _magics, _report, _world
+from nitro_ipy._compiler import _cache
+from nitro_ipy._notebook import _extension, _magics
+from nitro_ipy._base import _report, _world
 
 EXPERIMENT = TINY_EXPERIMENT + "n = Nitro(Tiny(), data=data, batch_size=16, progress=False)\n"
 EDIT = "def helper(r):\n    return abs(r)\n"
@@ -66,7 +68,7 @@ def trained(loaded, capsys):
     [
         "import nitro_ipy",
         # The stats table is a plain function: usable (and importable) without IPython.
-        "import nitro_ipy._stats as m; print(m.stats_table().summary())",
+        "import nitro_ipy._compiler._stats as m; print(m.stats_table().summary())",
     ],
 )
 def test_import_never_pulls_in_ipython_or_ipywidgets(code):
@@ -269,7 +271,7 @@ def _widget_kernel(monkeypatch):
 
 
 def test_widget_kernel_installs_the_rich_sink_and_unload_restores(shell, monkeypatch):
-    from nitro_ipy._widgets import RichSink
+    from nitro_ipy._notebook._widgets import RichSink
 
     _widget_kernel(monkeypatch)
     previous = _report.sink()
@@ -291,7 +293,7 @@ def _captured(fn, *args):
 
 
 def _sinked(monkeypatch, shell):
-    from nitro_ipy._widgets import RichSink
+    from nitro_ipy._notebook._widgets import RichSink
 
     sink = RichSink(shell, _report.sink())
     monkeypatch.setattr(_report, "_sink", sink)
@@ -313,7 +315,7 @@ def test_stale_messages_are_html_boxes_with_one_button(trained, monkeypatch):
     assert "border-left: 4px solid var(--jp-warn-color1, #f57c00)" in handle_out["text/html"]
     assert "line-height: 1.4" in handle_out["text/html"] and "color: var(--jp-content-font-color1, inherit)" in handle_out["text/html"]
     assert ">This handle runs code compiled before your edit</div><div style='margin-top: 2px'>This handle&#x27;s" in handle_out["text/html"]
-    assert handle_out["text/html"].endswith("rebuild it: <code style='" + nitro_ipy._html._MONO + "'>n = n.rebuild()</code></div></div>")
+    assert handle_out["text/html"].endswith("rebuild it: <code style='" + nitro_ipy._base._html._MONO + "'>n = n.rebuild()</code></div></div>")
     assert set(button_out) == {"application/vnd.jupyter.widget-view+json", "text/plain", "text/html"}
     assert button_out["text/plain"] == "not clicked when the notebook was saved; to use the current code: `n = n.rebuild()`"
     (button,) = sink.buttons
@@ -396,7 +398,7 @@ def test_unclicked_buttons_end_as_html_once_the_user_moves_on(trained, monkeypat
 
 
 def test_other_message_kinds(monkeypatch):
-    from nitro_ipy._widgets import RichSink
+    from nitro_ipy._notebook._widgets import RichSink
 
     previous = []
     ip = InteractiveShell.instance()
@@ -414,7 +416,7 @@ def test_other_message_kinds(monkeypatch):
 
 
 def test_messages_off_the_main_thread_stay_text():
-    from nitro_ipy._widgets import RichSink
+    from nitro_ipy._notebook._widgets import RichSink
 
     previous = []
     sink = RichSink(InteractiveShell.instance(), previous.append)
@@ -444,7 +446,7 @@ def test_progress_display_one_per_train_call(trained, monkeypatch):
 
 
 def test_progress_display_says_where_an_interrupt_landed(trained, monkeypatch):
-    from nitro_ipy import _loop
+    from nitro_ipy._training import _loop
 
     sink = _sinked(monkeypatch, trained)
     ns = trained.user_ns
@@ -485,7 +487,7 @@ def test_plot_is_the_panels_chart_of_the_history(trained):
 def test_missing_ipywidgets_degrades_to_text_with_one_hint(shell, monkeypatch, capsys):
     _widget_kernel(monkeypatch)
     monkeypatch.setitem(sys.modules, "ipywidgets", None)  # `import ipywidgets` raises ImportError
-    monkeypatch.delitem(sys.modules, "nitro_ipy._widgets", raising=False)
+    monkeypatch.delitem(sys.modules, "nitro_ipy._notebook._widgets", raising=False)
     monkeypatch.delattr(nitro_ipy, "_widgets", raising=False)
     monkeypatch.setattr(_magics.NitroMagics, "hinted", False)
     shell.run_line_magic("load_ext", "nitro_ipy")
@@ -506,7 +508,7 @@ def _shown(panel):
 
 
 def test_panel_shows_the_cache_and_the_latest_compile(trained, monkeypatch):
-    from nitro_ipy._widgets import Panel
+    from nitro_ipy._notebook._widgets import Panel
 
     panel = Panel(min_interval=0)
     panel.attach()
@@ -542,7 +544,7 @@ def test_panel_shows_the_cache_and_the_latest_compile(trained, monkeypatch):
 
 
 def test_panel_draws_the_loss_chart_of_the_running_train(trained, monkeypatch):
-    from nitro_ipy._widgets import Panel
+    from nitro_ipy._notebook._widgets import Panel
 
     _sinked(monkeypatch, trained)
     panel = Panel(min_interval=0)
@@ -562,7 +564,7 @@ def test_panel_draws_the_loss_chart_of_the_running_train(trained, monkeypatch):
 
 
 def test_panel_updates_are_throttled_and_flushed(trained):
-    from nitro_ipy._widgets import Panel
+    from nitro_ipy._notebook._widgets import Panel
 
     panel = Panel(min_interval=3600)  # nothing but forced refreshes get through the throttle
     panel.attach()
@@ -584,7 +586,7 @@ def test_panel_updates_are_throttled_and_flushed(trained):
 
 
 def test_panel_is_never_touched_off_the_main_thread():
-    from nitro_ipy._widgets import Panel
+    from nitro_ipy._notebook._widgets import Panel
 
     panel = Panel(min_interval=0)
     t = threading.Thread(target=panel.refresh, kwargs={"force": True})
@@ -595,7 +597,7 @@ def test_panel_is_never_touched_off_the_main_thread():
 
 
 def test_a_failing_panel_never_breaks_training(trained, monkeypatch, capsys):
-    from nitro_ipy._widgets import Panel
+    from nitro_ipy._notebook._widgets import Panel
 
     panel = Panel(min_interval=0)
     panel.attach()
@@ -626,7 +628,7 @@ def test_nitro_panel_in_a_widget_kernel(shell, monkeypatch, capsys):
 
 
 def test_panel_recompile_loop_turns_it_warning():
-    from nitro_ipy._widgets import Panel
+    from nitro_ipy._notebook._widgets import Panel
 
     panel = Panel(min_interval=0)
     assert "nitro-plain nitro-panel" in panel.outputs()[0].html
@@ -652,7 +654,7 @@ class _Run:
 
 
 def test_panel_stop_button_stops_a_background_run_and_ends_as_html():
-    from nitro_ipy._widgets import Panel
+    from nitro_ipy._notebook._widgets import Panel
 
     panel = Panel(min_interval=0)
     panel.attach()

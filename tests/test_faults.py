@@ -24,7 +24,8 @@ import optax
 import pytest
 
 import nitro_ipy
-from nitro_ipy import Device, GraphConst, Nitro, _cache
+from nitro_ipy import Device, GraphConst, Nitro
+from nitro_ipy._compiler import _cache
 
 BS = 8
 FAULT = {"hook": None}  # which hook raises at trace time (a dict mutated in place: invisible to the closure)

@@ -335,7 +335,7 @@ def test_graphconst_hash_with_no_graphconst_fields():
 
 
 def test_graphconst_prints_fingerprint_each_value_once(monkeypatch):
-    from nitro_ipy import _fields
+    from nitro_ipy._experiment import _fields
 
     seen = []
     real = _fields.fingerprint_with_callables
@@ -542,7 +542,7 @@ def test_device_field_holding_a_string_is_refused_at_setup():
 
 
 def test_a_multi_line_repr_is_shown_on_one_line_and_cut():
-    from nitro_ipy._fields import short_repr
+    from nitro_ipy._experiment._fields import short_repr
 
     class Tall:
         def __repr__(self):

@@ -14,7 +14,7 @@ import pytest
 from _modules import import_source, json_in_child
 
 from nitro_ipy import NitroTypeError, Unfingerprintable, fingerprint
-from nitro_ipy._fingerprint import code_fingerprint
+from nitro_ipy._base._fingerprint import code_fingerprint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -482,7 +482,7 @@ def test_a_library_model_definition_is_keyed_by_its_package_version(monkeypatch)
     import equinox as eqx
     import flax.linen as nn
 
-    from nitro_ipy import _fingerprint
+    from nitro_ipy._base import _fingerprint
 
     for value, package in ((nn.Dense(3), "flax"), (eqx.nn.Lambda(abs), "equinox")):
         before = _fingerprint.fingerprint(value)

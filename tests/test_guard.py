@@ -265,7 +265,7 @@ def test_the_epoch_loss_is_the_mean_of_its_finite_step_losses(mode):
 def test_the_guard_sums_losses_compensated_and_skips_non_finite_ones():
     """10 000 small losses after a large one: a plain float32 running sum loses 2% of them, the guard's
     compensated sum none; a NaN and an inf are not counted."""
-    from nitro_ipy import _guard
+    from nitro_ipy._training import _guard
 
     losses = np.array([1e4] + [1e-3] * 10_000 + [np.nan, np.inf], np.float32)
 
@@ -284,8 +284,8 @@ def test_the_guard_sums_losses_compensated_and_skips_non_finite_ones():
 
 @pytest.mark.parametrize("layout", ["flat", "tree"])
 def test_the_guard_s_parts_are_what_the_layout_s_ravel_gives_without_tracing_it(layout):
-    from nitro_ipy import _guard
-    from nitro_ipy._layout import FlatLayout, TreeLayout
+    from nitro_ipy._training import _guard
+    from nitro_ipy._experiment._layout import FlatLayout, TreeLayout
 
     params = {"a": jnp.zeros((3, 2)), "b": jnp.zeros(4, jnp.bfloat16), "c": [jnp.zeros(()), jnp.zeros(5, jnp.float16)]}
     lay = (FlatLayout if layout == "flat" else TreeLayout)(params)

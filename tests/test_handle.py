@@ -66,7 +66,7 @@ def test_ragged_valid_split_builds_device_metric_twice_and_forward_once():
               progress=False)
     n.train()
     assert _misses_entries() == (5, 5)
-    kinds = sorted(e.kind for e in nitro_ipy._cache.live_entries())
+    kinds = sorted(e.kind for e in nitro_ipy._compiler._cache.live_entries())
     assert kinds == ["eval", "grad", "metric:mae", "metric:mae", "opt"]
 
 
@@ -79,7 +79,7 @@ def test_steady_state_steps_are_hits():
 def test_each_epoch_asks_the_optimizer_executable_once_whether_it_returns_its_inputs(monkeypatch):
     # The answer is a property of the executable, worked out at its first epoch and remembered (a
     # 242-array model paid 3.3 ms at every epoch's first step); a growing state still re-keys every step.
-    from nitro_ipy import _loop
+    from nitro_ipy._training import _loop
 
     asked = []
     work = _loop._returns_its_inputs
@@ -88,7 +88,7 @@ def test_each_epoch_asks_the_optimizer_executable_once_whether_it_returns_its_in
     n.train(epochs=3)
     n.rebuild().train(epochs=2)  # the same executable, under another handle
     assert asked == ["opt"]
-    assert _loop.returns_its_inputs(next(e for e in nitro_ipy._cache.live_entries() if e.kind == "opt"))
+    assert _loop.returns_its_inputs(next(e for e in nitro_ipy._compiler._cache.live_entries() if e.kind == "opt"))
     assert nitro_ipy.cache_stats() == (2 * 4 * 5 - 2, 2, 2)
 
 
@@ -131,7 +131,7 @@ def test_key_rules_graphconst_misses_device_and_host_hit():
     assert _misses_entries() == (2, 2)
     Nitro(Reg(hidden=4), data=data, batch_size=16, progress=False).train()
     assert _misses_entries() == (4, 4)
-    why = [e.why for e in nitro_ipy._cache.live_entries() if e.kind == "grad"][-1]
+    why = [e.why for e in nitro_ipy._compiler._cache.live_entries() if e.kind == "grad"][-1]
     assert why.startswith("GraphConst `hidden`: 8 -> 4")
 
 
@@ -155,7 +155,7 @@ def test_rebuild_goes_through_no_private_constructor_keyword():
 
 
 def test_interrupt_gate_holds_ctrl_c_only_while_deferred():
-    from nitro_ipy._loop import InterruptGate
+    from nitro_ipy._training._loop import InterruptGate
 
     gate = InterruptGate()
     with gate.installed():
@@ -168,7 +168,7 @@ def test_interrupt_gate_holds_ctrl_c_only_while_deferred():
 
 
 def test_every_program_key_comes_from_its_spec():
-    from nitro_ipy._programs import SPECS
+    from nitro_ipy._training._programs import SPECS
 
     n = Nitro(Reg(), data={"train": _data(64), "valid": _data(32, 1)}, batch_size=16, progress=False)
     n.train()
@@ -193,7 +193,7 @@ def test_accum_matches_one_big_batch():
     assert one.step == two.step == 1
     for k in ("w1", "w2"):
         np.testing.assert_allclose(np.asarray(one.params[k]), np.asarray(two.params[k]), rtol=1e-5, atol=1e-6)
-    grad_keys = [e.key for e in nitro_ipy._cache.live_entries() if e.kind == "grad"]
+    grad_keys = [e.key for e in nitro_ipy._compiler._cache.live_entries() if e.kind == "grad"]
     assert [dict(k.options)["accum"] for k in grad_keys] == [1, 2]
 
 
@@ -244,7 +244,7 @@ def test_predict_matches_forward_over_ragged_batches():
     assert out.shape == (37,)
     np.testing.assert_allclose(out, np.asarray(Reg().forward(n.params, x=x)), rtol=1e-5, atol=1e-6)
     n.predict({"x": x[:5]})
-    assert [e.kind for e in nitro_ipy._cache.live_entries()] == ["predict"]
+    assert [e.kind for e in nitro_ipy._compiler._cache.live_entries()] == ["predict"]
 
 
 def test_function_forms_and_data_hook():
@@ -417,7 +417,7 @@ def test_a_graphconst_value_mutated_in_place_is_refused_before_any_program_is_ke
 def test_params_and_state_you_keep_stay_valid_while_the_handle_trains_on():
     """Steps donate the params and optimizer state: arrays a user kept from `n.params`, `n.opt_state`,
     `Nitro(e, params=...)` or IPython's `Out` are copied away from first, and only then."""
-    from nitro_ipy import _loop
+    from nitro_ipy._training import _loop
 
     given = jax.tree.map(jnp.asarray, Nitro(_experiments.Reg(), data={"train": _data(32)}).params)
     n = Nitro(_experiments.Reg(), data={"train": _data(32)}, batch_size=8, progress=False, params=given)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import nitro_ipy
-from nitro_ipy import _cache
+from nitro_ipy._compiler import _cache
 from tests import test_staleness
 
 STALE_LINE, run = test_staleness.STALE_LINE, test_staleness.run

@@ -111,14 +111,14 @@ def test_the_extension_installs_the_rich_sink_and_one_set_of_callbacks(session):
     session.run("%load_ext nitro_ipy")  # already loaded: harmless
     session.run("%reload_ext nitro_ipy")
     assert session.value(
-        "[type(nitro_ipy._report._sink).__name__, len(get_ipython().events.callbacks['pre_run_cell']), "
+        "[type(nitro_ipy._base._report._sink).__name__, len(get_ipython().events.callbacks['pre_run_cell']), "
         "type(get_ipython()).__name__]"
     ) == ["RichSink", 1, "ZMQInteractiveShell"]
 
 
 def test_cells_are_not_watched(session):
     """Kernel cells live in `.../ipykernel_PID/HASH.py` files: they are cells, not user modules."""
-    assert session.value("sorted(nitro_ipy._watch.watched())") == []
+    assert session.value("sorted(nitro_ipy._notebook._watch.watched())") == []
 
 
 def test_stale_messages_are_html_and_only_the_button_is_a_widget(session):
@@ -228,7 +228,7 @@ def test_nitro_panel_is_html_updated_in_place(session):
     assert _widget_opens(messages) == {}
     main, latest, stop_slot = shown
     stats = session.value("list(nitro_ipy.cache_stats())")
-    seconds = session.value("'%.2f' % (lambda e: e.trace_s + e.compile_s)(nitro_ipy._cache.live_entries()[-1])")
+    seconds = session.value("'%.2f' % (lambda e: e.trace_s + e.compile_s)(nitro_ipy._compiler._cache.live_entries()[-1])")
     assert main["data"]["text/plain"].splitlines()[0] == (
         f"nitro_ipy panel: hits {stats[0]} | misses {stats[1]} | entries {stats[2]} | poisoned 4 | latest compile: "
         f"eval [forward, loss] in {seconds} s (GraphConst `hidden`: 4 -> 7, and 2 argument changes that follow)"
@@ -297,7 +297,8 @@ WARMING_EXPERIMENT = textwrap.dedent(
     """
     import dataclasses, sys, threading, time
     import jax, jax.numpy as jnp, numpy as np
-    from nitro_ipy import GraphConst, Nitro, _reuse
+    from nitro_ipy import GraphConst, Nitro
+    from nitro_ipy._compiler import _reuse
 
     @dataclasses.dataclass
     class SlowTrace:

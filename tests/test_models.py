@@ -14,8 +14,9 @@ import pytest
 from flax import nnx
 
 import nitro_ipy
-from nitro_ipy import Device, GraphConst, Nitro, _reuse
-from nitro_ipy._errors import NitroTypeError, NitroValueError
+from nitro_ipy import Device, GraphConst, Nitro
+from nitro_ipy._compiler import _reuse
+from nitro_ipy._base._errors import NitroTypeError, NitroValueError
 
 
 def _images(n, seed=0):
@@ -138,8 +139,8 @@ def test_rng_is_per_step_per_micro_batch_reproducible_and_resumed():
 
 
 def test_the_step_keys_are_computed_on_the_host_bit_for_bit(monkeypatch):
-    from nitro_ipy import _handle
-    from nitro_ipy._model import host_step_keys, step_key
+    from nitro_ipy._training import _handle
+    from nitro_ipy._experiment._model import host_step_keys, step_key
 
     for seed in (0, 3, 2**31 + 5, 2**32 - 1):
         for start in (0, 17, 2**31 - 3, 2**32 - 2):
@@ -338,7 +339,7 @@ def test_a_changed_static_leaf_moves_the_key():
         Nitro(EqxExp(scale=scale), data=data, batch_size=16, progress=False).train()
     # a Host field is never in the key; the static leaf it became is: 2.5 recompiles grad and opt
     assert nitro_ipy.cache_stats().misses == 4
-    assert [e.why for e in nitro_ipy._cache.live_entries()][2:] != [None, None]
+    assert [e.why for e in nitro_ipy._compiler._cache.live_entries()][2:] != [None, None]
 
 
 def test_leaf_neither_array_nor_static_is_refused_naming_its_path():
@@ -719,7 +720,7 @@ def _updates(tx, tree, grads, flat: bool):
     ravel = lambda t: jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(t)])  # noqa: E731
     p = ravel(tree) if flat else tree
     state = tx.init(p)
-    from nitro_ipy._optimizer import update_args
+    from nitro_ipy._experiment._optimizer import update_args
 
     step = jax.jit(lambda g, s: tx.update(g, s, p, **update_args(tx, jnp.float32(0.5))))  # `value=` for momo
     for g in grads:
@@ -729,7 +730,7 @@ def _updates(tx, tree, grads, flat: bool):
 
 @pytest.mark.parametrize("name", [*_SAME_FLAT, *_NOT_SAME_FLAT])
 def test_flat_layout_refuses_exactly_the_optimizers_that_would_compute_otherwise(name):
-    from nitro_ipy._optimizer import shape_dependence
+    from nitro_ipy._experiment._optimizer import shape_dependence
 
     r = np.random.default_rng(0)
     shapes = [(3, 4), (4,), (4, 4), (5, 1)]

@@ -1,4 +1,4 @@
-"""Whose code is this (`nitro_ipy._origin`): notebook cells of both front ends, the standard library,
+"""Whose code is this (`nitro_ipy._base._origin`): notebook cells of both front ends, the standard library,
 installed packages, nitro_ipy itself, the user's own module files, and registered exclusions."""
 
 import os
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import nitro_ipy
-from nitro_ipy import _origin
+from nitro_ipy._base import _origin
 from tests._modules import import_source
 
 USER_SOURCE = """
@@ -103,7 +103,7 @@ def test_installed_packages_and_the_standard_library_are_library_code():
 def test_nitro_ipy_is_library_code_wherever_it_lives():
     assert not _origin.is_user_file(_origin.__file__)
     assert not _origin.is_user_file(nitro_ipy.__file__)
-    assert not _origin.is_user_module("nitro_ipy._handle")
+    assert not _origin.is_user_module("nitro_ipy._training._handle")
     assert not _origin.is_user_function(nitro_ipy.cache_reset)
 
 

@@ -82,6 +82,71 @@ def test_there_is_no_import_cycle():
 
 def test_the_core_never_imports_the_jupyter_side():
     edges, _ = _graph()
-    jupyter = {"nitro_ipy._extension", "nitro_ipy._magics", "nitro_ipy._widgets", "nitro_ipy._watch"}
+    jupyter = {"nitro_ipy._notebook._extension", "nitro_ipy._notebook._magics", "nitro_ipy._notebook._widgets", "nitro_ipy._notebook._watch"}
     core = [m for m in edges if m not in jupyter and m != "nitro_ipy"]
     assert {m: sorted(edges[m] & jupyter) for m in core if edges[m] & jupyter} == {}
+
+
+# Each package and the packages it may import (its `__init__.py` says the same in words). The root
+# (`nitro_ipy/__init__.py`) is the public surface and may import any of them.
+LAYERS = {
+    "_base": set(),
+    "_closure": {"_base"},
+    "_experiment": {"_base", "_closure"},
+    "_compiler": {"_base", "_closure"},
+    "_training": {"_base", "_closure", "_experiment", "_compiler"},
+    "_notebook": {"_base", "_closure", "_experiment", "_compiler", "_training"},
+}
+
+
+def _package_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def test_every_module_lives_in_a_package_of_the_plan():
+    loose = [m for m in _modules() if m != "nitro_ipy" and _package_of(m) not in LAYERS]
+    assert loose == []
+
+
+def test_imports_run_from_a_higher_package_to_a_lower_one_only():
+    edges, _ = _graph()
+    upward = sorted(
+        f"{m} imports {t}"
+        for m, targets in edges.items() if _package_of(m) is not None
+        for t in targets
+        if _package_of(t) not in (None, _package_of(m)) and _package_of(t) not in LAYERS[_package_of(m)]
+    )
+    assert upward == []
+    # and no package reaches up to the root (the public surface) either
+    assert sorted(f"{m} imports nitro_ipy" for m, t in edges.items() if _package_of(m) and "nitro_ipy" in t) == []
+
+
+def test_the_layering_check_sees_an_upward_import(tmp_path, monkeypatch):
+    # The check above must be able to fail: a `_base` module importing the handle is caught.
+    fake = dict(_modules())
+    bad = tmp_path / "_bad.py"
+    bad.write_text("from .._training._handle import Nitro\n")
+    fake["nitro_ipy._base._bad"] = bad
+    taken = list(_imports("nitro_ipy._base._bad", bad, fake))
+    assert ("nitro_ipy._training._handle", None) in taken
+    assert "_training" not in LAYERS["_base"]
+
+
+def test_the_package_folder_covers_every_subpackage():
+    # `_origin` counts nitro_ipy's files as library code by the package's root folder, and the program
+    # store fingerprints the package by it: both must reach the files two folders down.
+    from nitro_ipy._base import _origin
+    from nitro_ipy._compiler import _store
+
+    assert _origin.PACKAGE_DIR == str(ROOT)
+    for path in ROOT.rglob("*.py"):
+        assert not _origin.is_user_file(str(path)), path
+    before = _store._package_fingerprint()
+    probe = ROOT / "_training" / "_fingerprint_probe.py"
+    probe.write_text("# a file the store's fingerprint of the package must see\n")
+    try:
+        assert _store._package_fingerprint() != before
+    finally:
+        probe.unlink()
+    assert _store._package_fingerprint() == before

@@ -14,7 +14,8 @@ import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
 import nitro_ipy
-from nitro_ipy import _extension, _reuse
+from nitro_ipy._notebook import _extension
+from nitro_ipy._compiler import _reuse
 
 MODES = ["monitoring", "traceback"] if sys.version_info >= (3, 12) else ["traceback", "profile"]
 

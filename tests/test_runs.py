@@ -208,7 +208,7 @@ def test_worker_messages_are_kept_on_the_run_and_shown_by_wait(capsys):
 
 def test_run_events_for_front_ends():
     seen = []
-    unsubscribe = nitro_ipy._cache.subscribe("run", lambda run: seen.append((run.done, threading.current_thread().name)))
+    unsubscribe = nitro_ipy._compiler._cache.subscribe("run", lambda run: seen.append((run.done, threading.current_thread().name)))
     try:
         run = _handle(max_epochs=1).train(background=True)
         run.wait()
@@ -248,7 +248,7 @@ def test_a_background_run_is_pinned_to_its_code():
         steer.go.set()
         run.wait()
         assert nitro_ipy.cache_stats().misses == 3  # nothing recompiled under the running train
-        nitro_ipy._cache.ensure_fresh()
+        nitro_ipy._compiler._cache.ensure_fresh()
         assert [e.kind for e in n._programs.values() if e.poisoned] == ["grad"]  # it did move
         # Validation compiled after the edit, so it traced the new helper: the run says it mixes the two.
         assert [m.text for m in run.messages if m.kind == "mixed-code"] == [(

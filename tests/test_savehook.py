@@ -24,7 +24,7 @@ import pytest
 from _browser import SERVER_CONFIG, Server
 
 import nitro_ipy_server
-from nitro_ipy import _widgets
+from nitro_ipy._notebook import _widgets
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +78,7 @@ def _notebook():
 
 
 def _msg():
-    from nitro_ipy._report import Kind, Message
+    from nitro_ipy._base._report import Kind, Message
 
     return Message(Kind.STALE_HANDLE, "! this handle's compiled programs had dependency methods redefined",
                    {"handle": None})

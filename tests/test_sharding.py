@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import nitro_ipy
-from nitro_ipy import _sharding
-from nitro_ipy._errors import NitroValueError
+from nitro_ipy._base import _sharding
+from nitro_ipy._base._errors import NitroValueError
 from jax.sharding import PartitionSpec as P
 
 from _modules import child_env, import_source, json_in_child, last_json
@@ -215,7 +215,7 @@ def test_a_mesh_handle_s_programs_compile_ahead(tmp_path, layout):
     out = in_child(tmp_path, f"""
     import contextlib, io, os
     from IPython.core.interactiveshell import InteractiveShell
-    from nitro_ipy import _ahead
+    from nitro_ipy._training import _ahead
     _ahead.set_compile_ahead(True)  # the suite's children inherit it off
     ip = InteractiveShell.instance()
     ip.run_line_magic("load_ext", "nitro_ipy")
@@ -328,7 +328,7 @@ def test_bad_input_is_refused_at_setup(tmp_path):
 
 STORE_RUN = """
 import sys
-from nitro_ipy import _store
+from nitro_ipy._compiler import _store
 nitro_ipy.set_cache_dir(sys.argv[1])
 kw = {"flat": {}, "sharded": {"flat_params": False,
                               "param_sharding": lambda p, s: P(None, "data") if p == "w1" else None}}[sys.argv[2]]
@@ -363,7 +363,7 @@ def test_loops_stay_a_few_steps_ahead_of_a_cpu_mesh(tmp_path):
     (a plain sharded `jax.jit` loop too): on a CPU mesh of several devices the step and evaluation
     loops wait for the step `CPU_STEPS_AHEAD` back; one device and accelerators are not bounded."""
     out = in_child(tmp_path, """
-    from nitro_ipy import _sharding
+    from nitro_ipy._base import _sharding
     n = Nitro(exp.Regression(), data=exp.data(), batch_size=32, progress=False, mesh=mesh)
     one = Nitro(exp.Regression(), data=exp.data(), batch_size=32, progress=False)
     double = jax.jit(lambda a: a * 2, out_shardings=n._place.replicated)
@@ -398,7 +398,7 @@ WORKER = """
 import json, sys
 pid, port = int(sys.argv[1]), int(sys.argv[2])
 import jax
-from nitro_ipy._compat import CPU_COLLECTIVES_OPTION
+from nitro_ipy._base._compat import CPU_COLLECTIVES_OPTION
 jax.config.update("jax_num_cpu_devices", 2)
 jax.config.update(CPU_COLLECTIVES_OPTION, "gloo")
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
@@ -413,7 +413,7 @@ out = exp.summary(n, rows)
 out["stats"] = list(nitro_ipy.cache_stats())
 out["validate"] = n.validate()
 out["local"] = sorted(map(list, set(local_rows.values())))
-out["main"] = nitro_ipy._sharding.is_main_process()
+out["main"] = nitro_ipy._base._sharding.is_main_process()
 print(json.dumps(out))
 """
 
@@ -472,7 +472,7 @@ CHECKPOINT_WORKER = """
 import json, os, sys
 pid, port, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 import jax
-from nitro_ipy._compat import CPU_COLLECTIVES_OPTION
+from nitro_ipy._base._compat import CPU_COLLECTIVES_OPTION
 jax.config.update("jax_num_cpu_devices", 2)
 jax.config.update(CPU_COLLECTIVES_OPTION, "gloo")
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
@@ -563,7 +563,8 @@ def test_key_signatures_tell_meshes_apart_when_remembered(tmp_path):
     # devices, and a replicated placement, must still give the signatures worked out afresh.
     got = in_child(tmp_path, """
         from jax.sharding import NamedSharding
-        from nitro_ipy import _cache, _sharding
+        from nitro_ipy._compiler import _cache
+        from nitro_ipy._base import _sharding
         devs = jax.devices()
         meshes = [Mesh(np.array(devs[:2]), ("data",)), Mesh(np.array(devs[2:]), ("data",)),
                   Mesh(np.array(devs[::-1][:2]), ("data",))]

@@ -14,7 +14,7 @@ import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
 import nitro_ipy
-from nitro_ipy import _cache
+from nitro_ipy._compiler import _cache
 
 BASE = """
 import dataclasses, functools, importlib
@@ -458,7 +458,7 @@ def test_a_quiet_cell_resolves_no_method_by_name(ip, capsys, monkeypatch):
     monkeypatch.setattr(_scan, "resolve_function", lambda ns, qualname: resolved.append(qualname) or real(ns, qualname))
     run(ip, capsys, "pass")
     _cache.ensure_fresh()  # the scan a quiet cell's hook runs (done here: the hook's is compile-ahead's)
-    assert _cache.scanned_world() == nitro_ipy._world.world()
+    assert _cache.scanned_world() == nitro_ipy._base._world.world()
     assert resolved == []
     run(ip, capsys, "E.forward = lambda self, params, *, x: 2.0 * (x @ params['w'])")
     _cache.ensure_fresh()
@@ -479,7 +479,7 @@ def test_a_rebuild_onto_a_shape_dependent_optimizer_is_refused_with_the_fix(ip, 
     checked at the rebuild as at setup: on the flat layout it is refused, naming how to switch layouts;
     the same refusal whether the hook or a helper it calls was edited. A rebuild that leaves the
     optimizer alone does not trace it again."""
-    from nitro_ipy import _optimizer
+    from nitro_ipy._experiment import _optimizer
 
     if how == "helper":
         source = SHAPED.replace("optax.clip_by_global_norm(1.0)", "clip()")

@@ -19,7 +19,10 @@ import optax
 import pytest
 
 import nitro_ipy
-from nitro_ipy import Device, GraphConst, Nitro, _ahead, _report, _stats, _store
+from nitro_ipy import Device, GraphConst, Nitro
+from nitro_ipy._training import _ahead
+from nitro_ipy._base import _report
+from nitro_ipy._compiler import _stats, _store
 
 
 @pytest.fixture
@@ -173,7 +176,7 @@ def test_a_stale_stored_program_is_never_loaded(store, messages):
 def test_closure_records_round_trip_and_still_see_drift(store):
     global SCALE
     _train()
-    entry = next(e for e in nitro_ipy._cache.live_entries() if e.kind == "grad")
+    entry = next(e for e in nitro_ipy._compiler._cache.live_entries() if e.kind == "grad")
     records = json.loads(json.dumps(nitro_ipy._closure.closure_records(entry.closure)))
     rebuilt = nitro_ipy._closure.closure_from_records(records)
     assert rebuilt.names() == entry.closure.names()
@@ -214,7 +217,7 @@ DAMAGES = [
 
 def test_bad_files_are_refused_deleted_and_reported_once(store, messages):
     _train()
-    grad = next(e for e in nitro_ipy._cache.live_entries() if e.kind == "grad")
+    grad = next(e for e in nitro_ipy._compiler._cache.live_entries() if e.kind == "grad")
     path = store / "programs" / (_store.key_digest(grad.key) + ".nxp")
     for damage, reason in DAMAGES:
         damage(path)
@@ -313,7 +316,7 @@ def test_a_program_served_by_jax_cache_is_not_stored_and_a_reload_still_runs(sto
     # earlier version wrote our programs to JAX's cache too; one found there must not reach our store.
     import contextlib
 
-    from nitro_ipy import _compat
+    from nitro_ipy._base import _compat
 
     with monkeypatch.context() as m:
         m.setattr(_compat, "_no_jax_cache_writes", contextlib.nullcontext)
@@ -339,7 +342,7 @@ def _reserialize(path):
     import io
     import pickle
 
-    from nitro_ipy._compat import deserialize_compiled, serialize_compiled
+    from nitro_ipy._base._compat import deserialize_compiled, serialize_compiled
 
     header, payload = _store.read_header(path.read_bytes())
     exe, in_tree, out_tree = _store._TreeUnpickler(io.BytesIO(payload)).load()

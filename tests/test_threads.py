@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import nitro_ipy
-from nitro_ipy import Nitro, _cache, _compile
+from nitro_ipy import Nitro
+from nitro_ipy._compiler import _cache, _compile
 
 
 from test_cache import Reg, _split  # the cache tests' experiment: a tiny regression

@@ -1,4 +1,4 @@
-"""The file watcher (`nitro_ipy._watch`) as the extension drives it, and the core without watchdog.
+"""The file watcher (`nitro_ipy._notebook._watch`) as the extension drives it, and the core without watchdog.
 
 Watchdog is a dependency of the `jupyter` extra only: the core never imports the watcher.
 """
@@ -11,7 +11,7 @@ from _cells import TINY_EXPERIMENT
 from _modules import json_in_child
 from test_extension import EXPERIMENT, _run
 
-from nitro_ipy import _watch
+from nitro_ipy._notebook import _watch
 
 # The shell fixtures of test_extension.py, shared (assigned, so that pytest finds them in this module).
 shell = test_extension.shell
@@ -47,7 +47,7 @@ def test_the_core_trains_without_watchdog(tmp_path):
             import json
             print(json.dumps([len(records), nitro_ipy.cache_stats().entries,
                               sorted(m for m, mod in sys.modules.items()
-                                     if mod is not None and m.startswith(("watchdog", "nitro_ipy._watch")))]))
+                                     if mod is not None and m.startswith(("watchdog", "nitro_ipy._notebook._watch")))]))
             """
         )
     )
@@ -62,7 +62,7 @@ import time  # noqa: E402
 
 import pytest  # noqa: E402
 
-from nitro_ipy import _world  # noqa: E402
+from nitro_ipy._base import _world  # noqa: E402
 
 
 @pytest.fixture

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import types
 
-from .._fingerprint import code_fingerprint
-from .._origin import class_namespace, is_cell_file, is_user_function, is_user_module
+from .._base._fingerprint import code_fingerprint
+from .._base._origin import (
+    class_namespace,
+    is_cell_file,
+    is_user_function,
+    is_user_module,
+)
 from ._bytecode import reads
 from ._disk import FileBacked, file_digest
 from ._model import Closure
@@ -17,7 +22,14 @@ from ._records import (
     FuncDep,
     ValueDep,
 )
-from ._resolve import cells_of, live_namespace, lookup, resolve_function, static_attr, underlying
+from ._resolve import (
+    cells_of,
+    live_namespace,
+    lookup,
+    resolve_function,
+    static_attr,
+    underlying,
+)
 from ._scan import class_attr_check, function_check, value_check
 from ._snapshot import identity, snapshot
 from ._values import attr_fingerprint, value_fingerprint

@@ -6,7 +6,7 @@ import dis
 import types
 from typing import NamedTuple
 
-from .._memo import Memo
+from .._base._memo import Memo
 from ._resolve import nested
 
 

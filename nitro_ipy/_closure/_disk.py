@@ -6,8 +6,8 @@ import hashlib
 import os
 from typing import NamedTuple
 
-from .._fingerprint import code_fingerprint
-from .._memo import Memo
+from .._base._fingerprint import code_fingerprint
+from .._base._memo import Memo
 from ._records import MISSING, FuncDep, disk_key
 from ._resolve import nested
 

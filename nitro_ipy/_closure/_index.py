@@ -5,8 +5,8 @@ from __future__ import annotations
 import types
 from typing import NamedTuple
 
-from .. import _memo, _origin, _world
-from .._compat import equation_traceback, jaxpr_eqns, traceback_codes
+from .._base import _memo, _origin, _world
+from .._base._compat import equation_traceback, jaxpr_eqns, traceback_codes
 from ._resolve import cell_contents, cells_of, nested, underlying
 
 

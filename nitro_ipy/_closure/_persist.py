@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from .. import _origin
+from .._base import _origin
 from ._disk import FileBacked
 from ._model import Closure
 from ._records import CellDep, ClassAttrDep, FuncDep, ValueDep

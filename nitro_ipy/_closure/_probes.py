@@ -10,8 +10,8 @@ import os
 import sys
 import threading
 
-from .. import _origin
-from .._compat import tracebacks_usable as _tracebacks_usable
+from .._base import _origin
+from .._base._compat import tracebacks_usable as _tracebacks_usable
 
 
 class _Probes:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from .. import _origin
+from .._base import _origin
 from ._builder import Builder
 from ._index import Frame, traceback_functions
 from ._model import Closure

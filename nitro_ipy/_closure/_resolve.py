@@ -5,10 +5,10 @@ from __future__ import annotations
 import functools
 import types
 
-from .. import _origin
-from .._compat import CUSTOM_DERIVATIVE_PARTS, is_custom_derivative
-from .._fingerprint import code_fingerprint
-from .._memo import Memo
+from .._base import _origin
+from .._base._compat import CUSTOM_DERIVATIVE_PARTS, is_custom_derivative
+from .._base._fingerprint import code_fingerprint
+from .._base._memo import Memo
 from ._records import MISSING, function_key, namespace_key
 
 

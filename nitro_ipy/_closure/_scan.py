@@ -17,8 +17,7 @@ import types
 import weakref
 from typing import NamedTuple
 
-from .._memo import Memo
-
+from .._base._memo import Memo
 from ._records import MISSING, class_attr_key, function_key, namespace_key, value_key
 from ._resolve import live_namespace, lookup, resolve_function, static_attr
 from ._snapshot import PlainFunction, SameObject, fast_form, matches

@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._compat import is_concrete_array
+from .._base._compat import is_concrete_array
 from ._records import MISSING
 from ._values import is_library_callable
 

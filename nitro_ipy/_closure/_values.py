@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 import types
 
-from .._fingerprint import Unfingerprintable, fingerprint
-from .._origin import is_user_file, is_user_function, is_user_module
+from .._base._fingerprint import Unfingerprintable, fingerprint
+from .._base._origin import is_user_file, is_user_function, is_user_module
 from ._records import SKIP
 from ._resolve import underlying
 

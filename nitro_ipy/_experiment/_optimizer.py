@@ -1,0 +1,285 @@
+"""The optimizer at setup: refused where it would mean something else on the flat layout, or where a
+Device field reaches a constructor that needs a Python number; then its initial state.
+
+Both checks run before anything compiles, so the user sees the fix, not a trace.
+"""
+
+import re
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from .._base._errors import NitroTypeError, NitroValueError
+from ._checks import check_optimizer
+
+# Closure cells optax's path-aware transformations keep (`optax.masked`, `add_decayed_weights(mask=)`,
+# `adamw(mask=)`, `multi_transform(param_labels=)`): on flat buffers they would see `{dtype: buffer}`.
+_PATH_CELLS = ("mask", "param_labels")
+
+FLAT_PATHS = (
+    "the optimizer of `{owner}` looks at parameter paths (`{cell}`: `optax.masked`, a weight-decay "
+    "`mask=`, or `multi_transform` labels), but `flat_params=True` hands it one flat buffer per dtype, "
+    "where a mask or label by path would mean something else. Pass `Nitro(e, ..., flat_params=False)` "
+    "so it sees the params tree."
+)
+
+FLAT_SHAPES = (
+    "the optimizer of `{owner}` treats each parameter array by its own shape or norm ({why}: as "
+    "`adafactor`, `lamb`, `lars` or a per-parameter clip do), but `flat_params=True` hands it one flat "
+    "buffer per dtype, where it would compute something else. Pass `Nitro(e, ..., flat_params=False)` so "
+    "it sees the params tree."
+)
+
+# Said after FLAT_PATHS / FLAT_SHAPES when the refusal comes from `rebuild()`: its optimizer state is the
+# flat layout's, so the switch to the tree layout starts a new handle from the trained parameters.
+AT_REBUILD = (
+    " `rebuild()` carries the optimizer state of the flat layout; to change the layout, start a handle "
+    "from the trained parameters: `Nitro(e, ..., flat_params=False, params=n.params{state})` (the "
+    "optimizer state starts afresh)."
+)
+
+EXTRA_ARGUMENT = (
+    "the optimizer of `{owner}` needs `{name}=` in its `update` (an optax transformation taking extra "
+    "arguments, such as a line search's `value_fn`); the optimizer program passes only `value=`, the "
+    "step's loss (enough for `reduce_on_plateau` and `polyak_sgd`). Pick a transformation that needs no "
+    "more, or drive the step yourself with `optax` outside nitro_ipy."
+)
+_MISSING_ARGUMENT = re.compile(r"missing \d+ required keyword-only arguments?: '(\w+)'")
+
+DEVICE_IN_CONSTRUCTOR = (
+    "the optimizer of `{owner}` passes the Device field {fields} to something that needs a Python number "
+    "at construction (an optax schedule constructor such as `warmup_cosine_decay_schedule` compares its "
+    "arguments in Python), and a Device field is a traced array there ({error}). Either mark it "
+    "`GraphConst[float]` (baked in; a new value recompiles the optimizer), or keep it Device and "
+    "drive it per step with `Nitro(e, schedules={{{first!r}: fn}})` instead of an optax schedule."
+)
+
+
+def path_cells(tx) -> list[str]:
+    """The path-aware closure cells found anywhere in `tx`'s init and update functions."""
+    found, seen = [], set()
+
+    def walk(obj):
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, types.FunctionType):
+            for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
+                try:
+                    value = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                if name in _PATH_CELLS and value is not None and name not in found:
+                    found.append(name)
+                walk(value)
+        elif isinstance(obj, (tuple, list)):
+            for item in obj:
+                walk(item)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                walk(item)
+
+    walk(tx.init)
+    walk(tx.update)
+    return found
+
+
+# Primitives that act on each element alone (or pass a value through): an optimizer built of these, full
+# reductions over every parameter at once (a global norm) and scalars means the same on flat buffers.
+_ELEMENTWISE = frozenset("""
+    abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type copy cos
+    cosh div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow is_finite le lgamma digamma log
+    log1p logistic lt max min mul ne neg nextafter not or pow real reduce_precision rem round rsqrt select_n
+    sign sin sinh sqrt square stop_gradient sub tan tanh xor shift_left shift_right_logical
+    shift_right_arithmetic population_count optimization_barrier
+""".split())
+_ORDER_KEEPING = frozenset("reshape squeeze expand_dims".split())
+_FULL_REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
+
+
+def shape_dependence(tx, trainable) -> str | None:
+    """Why `tx` would compute something else on the flat layout than on the params tree, or None.
+
+    `tx.update` is traced (no compile) on the tree of one leaf per distinct shape and dtype (two at
+    least), and the jaxpr is followed from the gradients and params to the updates. It means the same on
+    one flat buffer per dtype when every update element depends on its own gradient and param elements,
+    on reductions over every parameter at once (a global norm), and on nothing else of theirs: an
+    update that reads a reduction over its own array alone (`lamb`'s trust ratio, `adafactor`'s clip),
+    a reduction along some axes (`adafactor`'s factored moments) or a matrix product does not."""
+    leaves = jax.tree_util.tree_leaves(trainable)
+    if not leaves:
+        return None
+    sample, seen = [], set()
+    for leaf in leaves:
+        sig = (tuple(leaf.shape), str(leaf.dtype))
+        if sig not in seen:
+            seen.add(sig)
+            sample.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+    if len(sample) == 1 and len(leaves) > 1:
+        sample.append(sample[0])
+    value = jnp.zeros((), jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda g, p: tx.update(g, tx.init(p), p, **update_args(tx, value))[0])(sample, sample).jaxpr
+    k = len(sample)
+    # each input (the gradients, then the params, leaf by leaf) depends element by element on its own leaf
+    try:
+        outs = _follow(jaxpr, [(frozenset([i % k]), frozenset()) for i in range(len(jaxpr.invars))])
+    except _ShapeDependent as err:
+        return str(err)
+    everything = frozenset(range(k))
+    for i, (elem, reduced) in enumerate(outs):
+        if elem - {i}:
+            return "an update reads another array's elements"
+        if reduced and reduced != everything:
+            return "an update reads a reduction over its own array"
+    return None
+
+
+_NONE = (frozenset(), frozenset())
+
+
+class _ShapeDependent(Exception):
+    pass
+
+
+_CALLS = frozenset("jit pjit closed_call core_call custom_jvp_call custom_vjp_call custom_vjp_call_jaxpr remat "
+                   "checkpoint cond".split())
+
+
+def _sub_jaxprs(eqn) -> list:
+    """The jaxprs an equation calls (a `jit`'s, each branch of a `cond`)."""
+    subs = [p for p in eqn.params.values() if hasattr(p, "jaxpr") or hasattr(p, "eqns")]
+    return subs + [b for p in eqn.params.values() if isinstance(p, tuple) for b in p if hasattr(b, "jaxpr")]
+
+
+def _full_contraction(eqn) -> bool:
+    """A `dot_general` contracting every axis of both operands (`jnp.vdot` of two arrays of one shape)."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
+    return not lb and not rb and len(lc) == lhs.ndim and len(rc) == rhs.ndim and lhs.shape == rhs.shape
+
+
+def _follow(jaxpr, in_tags: list) -> list:
+    """The tags of `jaxpr`'s outputs given its inputs' (see `shape_dependence`); raises `_ShapeDependent`
+    naming the first primitive that treats a parameter's elements by their place in its array."""
+    tags = dict(zip(jaxpr.invars, in_tags))
+    get = lambda v: tags.get(v, _NONE) if not hasattr(v, "val") else _NONE  # noqa: E731 - a literal is _NONE
+    for eqn in jaxpr.eqns:
+        ins = [get(v) for v in eqn.invars]
+        elem = frozenset().union(*(t[0] for t in ins))
+        reduced = frozenset().union(*(t[1] for t in ins))
+        name = eqn.primitive.name
+        if not elem:
+            out = [(frozenset(), reduced)] * len(eqn.outvars)  # nothing of a parameter's elements: no layout
+        elif name in _ELEMENTWISE or name in _ORDER_KEEPING or (
+                name == "broadcast_in_dim" and all(getattr(v.aval, "size", 2) == 1 for v in eqn.invars[:1])):
+            # (A reshape keeps the elements' row-major order, which the flat buffer has too: what comes
+            # after it along some axes is judged where it happens.)
+            out = [(elem, reduced)] * len(eqn.outvars)
+        elif name == "dot_general" and _full_contraction(eqn):  # a `vdot`: a full reduction of a product
+            out = [(frozenset(), elem | reduced)] * len(eqn.outvars)
+        elif name in _FULL_REDUCTIONS:
+            operand = eqn.invars[0].aval
+            if len(eqn.params.get("axes", ())) != operand.ndim and operand.size != 1:
+                raise _ShapeDependent(f"`{name}` along some axes of a parameter")
+            out = [(frozenset(), elem | reduced)] * len(eqn.outvars)
+        elif name in _CALLS and (subs := _sub_jaxprs(eqn)):
+            out = None
+            for sub in subs:
+                inner = sub.jaxpr if hasattr(sub, "jaxpr") else sub
+                n_in = len(inner.invars)
+                got = _follow(inner, ins[len(ins) - n_in:])
+                out = got if out is None else [(a[0] | b[0], a[1] | b[1]) for a, b in zip(out, got)]
+            if name == "cond":  # the branch taken hangs on the predicate
+                out = [(e, r | ins[0][0] | ins[0][1]) for e, r in out]
+        else:
+            raise _ShapeDependent(f"`{name}` on a parameter")
+        for v, t in zip(eqn.outvars, out):
+            tags[v] = t
+    return [get(v) for v in jaxpr.outvars]
+
+
+def _concretization_errors() -> tuple:
+    return tuple(e for e in (getattr(jax.errors, "TracerBoolConversionError", None),
+                             getattr(jax.errors, "ConcretizationTypeError", None),
+                             getattr(jax.errors, "TracerIntegerConversionError", None)) if e is not None)
+
+
+def _trace(b, flat, dev: dict, concrete: str | None = None):
+    """Build the optimizer with `dev` traced (but field `concrete`) and run init + one update abstractly."""
+    # numpy, not a device array: a device array would be staged into the trace, and traced again
+    fixed = {} if concrete is None else {concrete: np.asarray(dev[concrete])}
+
+    def run(traced):
+        tx = b.optimizer(b.view({**traced, **fixed}))
+        state = tx.init(flat)
+        return tx.update(flat, state, flat, **update_args(tx, jnp.zeros((), jnp.float32)))
+
+    jax.eval_shape(run, {k: v for k, v in dev.items() if k != concrete})
+
+
+def update_args(tx, loss) -> dict:
+    """The keyword arguments the optimizer program passes to `tx.update` besides updates, state and
+    params: the step's loss as `value=`, for a transformation that takes extra arguments (optax's
+    `reduce_on_plateau`, `polyak_sgd`; `optax.chain` hands each member what it accepts)."""
+    return {"value": loss} if isinstance(tx, optax.GradientTransformationExtraArgs) else {}
+
+
+def init_optimizer(b, layout, trainable, dev: dict):
+    """The optimizer's initial state over `layout.ravel(trainable)`, after the setup checks
+    (`check_setup`: the arguments are the same)."""
+    tx, flat = check_setup(b, layout, trainable, dev)
+    return tx.init(flat)
+
+
+def check_setup(b, layout, trainable, dev: dict):
+    """Check the experiment's optimizer for a handle, by tracing its `init` and one `update` abstractly
+    (nothing compiles): at setup, and at a rebuild whose optimizer may have moved.
+
+    **Arguments:**
+    - `b`: the handle's `Binding`; `layout`: `FlatLayout` or `TreeLayout` over `trainable`.
+    - `trainable`: the float params the optimizer sees; `dev`: the Device values.
+
+    **Returns:** `(tx, flat params)`. Raises `NitroValueError` for an optimizer that looks at paths or
+    at each array's shape on the flat layout, and `NitroTypeError` for a Device field a constructor
+    needs as a Python number or a transformation that needs more extra arguments than `value=`.
+    """
+    owner = b.cls.__qualname__
+    flat = layout.ravel(trainable)
+    tx = b.optimizer(b.view(dev))
+    check_optimizer(b.cls, tx)
+    flat_layout = layout.signature[0] == "flat"
+    if flat_layout:  # before any trace: a mask by path would be handed `{dtype: buffer}`
+        cells = path_cells(tx)
+        if cells:
+            raise NitroValueError(FLAT_PATHS.format(owner=owner, cell=cells[0]))
+    errors = _concretization_errors()
+    try:
+        _trace(b, flat, dev)  # init and one update, abstractly: nothing compiles
+    except errors as err:
+        if not dev:
+            raise
+        culprits = []
+        for name in dev:  # the fields whose concrete value makes the trace succeed
+            try:
+                _trace(b, flat, dev, concrete=name)
+            except errors:
+                continue
+            culprits.append(name)
+        culprits = culprits or list(dev)
+        first = str(err).strip().splitlines()[0]
+        raise NitroTypeError(DEVICE_IN_CONSTRUCTOR.format(
+            owner=owner, fields=", ".join(f"`{c}`" for c in culprits), first=culprits[0],
+            error=f"{type(err).__name__}: {first[:160]}")) from None
+    except TypeError as err:
+        missing = _MISSING_ARGUMENT.search(str(err))
+        if missing is None or missing.group(1) in ("updates", "state", "params", "value"):
+            raise
+        raise NitroTypeError(EXTRA_ARGUMENT.format(owner=owner, name=missing.group(1))) from None
+    if flat_layout:  # after the trace: a transformation wanting more than `value=` is said first
+        why = shape_dependence(tx, trainable)
+        if why is not None:
+            raise NitroValueError(FLAT_SHAPES.format(owner=owner, why=why))
+    return tx, flat

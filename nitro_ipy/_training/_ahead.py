@@ -1,0 +1,608 @@
+"""Compile ahead: after an edit poisons programs a live handle runs (or re-runs the cell defining its
+class), their replacements compile in the background, under the keys a rebuilt handle will ask for, so
+`n.rebuild()` finds them ready.
+
+- Live handles are tracked weakly (`track`), each with the recipe of every program it resolved
+  (`resolved`): its spec, hook, batch fields and the shapes of its arguments. That is all a replacement
+  needs: `after_edit` (the extension's post-cell hook, or `bump_world(ahead=True)` in a script) scans,
+  rebinds each stale handle's experiment through its live class exactly as `rebuild()` would, keys each
+  poisoned program's replacement with `program_key`, and queues the ones no one compiled yet.
+- Two worker threads compile them, in order, through `_compile.compile_ahead` (the cache's single-flight
+  claim: a rebuild that needs a program in flight waits for it, never a second copy). One traces at a
+  time; the next job starts as soon as the one before reaches XLA (`WORKERS`), so the evaluation
+  program compiles beside the gradient program. A program whose code drifted while it compiled is
+  dropped, not served; a new edit drops from the queue what it made stale, so that is never started.
+- A compile ahead after an edit waits while a step loop runs and for `QUIET_S` after (training comes
+  first), unless a rebuild waits for it.
+- The workers say nothing: their compile lines are held and said by the handle that resolves the program
+  (where its compile line would have been), in that handle's thread. A compile that raised leaves the key
+  unclaimed, so the rebuild compiles it in the foreground and raises there, with the user's traceback.
+- `prefetch_eval`: a training handle's evaluation forward compiles while its first epoch runs: from the
+  moment its first step's XLA compile starts (`_compile.XLA_STARTS`), or from its first step on when
+  nothing compiles (`_pipeline` reports it through `stepping`); its device metrics' programs follow
+  (`metric_jobs`, shaped from the evaluation program's outputs).
+
+Off with `set_compile_ahead(False)`, `%nitro_ahead off`, or `NITRO_IPY_AHEAD=0` in the environment.
+"""
+
+import atexit
+import collections
+import os
+import threading
+import time
+import weakref
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from .. import _closure
+from .._base import _memo, _report, _sharding, _world
+from .._base._compat import compiled_out_avals
+from .._base._live import live_class, live_value
+from .._compiler import _cache, _compile, _reuse
+from .._experiment._binding import bind
+from .._experiment._data import split_len
+from .._experiment._model import Model, ParamSplit
+from ._programs import EVAL, METRIC, SPECS, program_key
+
+ENV = "NITRO_IPY_AHEAD"
+# The workers' niceness (Linux sets it per thread). It covers the trace and lowering, which run in the
+# worker; XLA compiles on its own threads, made at the process's first compile at normal priority, so
+# the XLA part of a compile ahead competes with the foreground as any compile does (docs/recompilation.md).
+NICE = 10
+_OFF = ("0", "off", "false", "no")
+_enabled = os.environ.get(ENV, "1").strip().lower() not in _OFF
+# The order replacements compile in: what a rebuilt handle's first step needs first.
+_ORDER = {kind: i for i, kind in enumerate(SPECS)}
+
+
+def set_compile_ahead(enabled: bool) -> bool:
+    """Turn compiling ahead on or off for this process (the default: on, unless `NITRO_IPY_AHEAD=0`).
+    Off, an edit compiles nothing until a rebuilt handle asks, as before. Returns the previous setting."""
+    global _enabled
+    if not isinstance(enabled, bool):
+        raise TypeError(f"`set_compile_ahead` takes True or False; got {enabled!r}.")
+    previous, _enabled = _enabled, enabled
+    if not enabled:
+        cancel()
+    return previous
+
+
+def compile_ahead_enabled() -> bool:
+    return _enabled
+
+
+class Recipe(NamedTuple):
+    """What a handle resolved one program from: enough to key and build its replacement."""
+
+    spec: object
+    hook: str | None
+    fields: dict
+    args: tuple  # the arguments, arrays replaced by `jax.ShapeDtypeStruct`s (nothing held alive)
+
+
+class Job(NamedTuple):
+    key: object
+    fn: object
+    args: tuple
+    spec: object
+    binding: object
+    after: int = -1  # start once more than this many step loops started (a prefetch: its first step)
+    out_shardings: object = None  # on a mesh: where the outputs go, as the handle compiles it
+    then: object = None  # `then(entry)` -> the jobs that follow once this one's program exists
+    mesh: object = None  # the handle's mesh: traced under it as the handle's methods trace (`in_mesh`)
+
+
+class Outcome(NamedTuple):
+    """What the worker did with one job (`history()`, for tests and `%nitro_ahead`)."""
+
+    kind: str
+    status: str  # "compiled", "had", "drifted", "failed", "cancelled"
+    detail: object
+
+
+_recipes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # handle -> {key: Recipe}
+_cv = threading.Condition()
+_queue: collections.deque = collections.deque()
+_wanted: set = set()  # keys still wanted: a job whose key left it (a newer edit) is dropped, not compiled
+# Two workers, so independent programs compile at once: XLA's compile releases the GIL, and a second
+# program's trace runs while the first one is in XLA. Only one worker traces at a time (`_tracing`): two
+# traces would only share the GIL, and the first program (what the rebuilt handle's first step needs)
+# would be ready later.
+WORKERS = 2
+_busy: dict = {}  # worker thread -> the Job it runs
+_tracing: set = set()  # workers whose job has not reached its XLA compile yet
+_workers: list = []
+# key -> (weak ref to the entry, the messages the worker composed), said by the handle that resolves the
+# key (`cache_reset` clears both)
+_held = _memo.Memo("ahead.held", 256)
+_failed = _memo.Memo("ahead.failed", 256)  # keys whose compile raised: the rebuild compiles (and raises) them
+_history: collections.deque = collections.deque(maxlen=64)  # (order taken, Outcome)
+_taken = 0  # jobs taken off the queue so far: `history()` lists outcomes in the order jobs started
+_loops = 0  # step loops started (`stepping`) and foreground XLA compiles: a prefetch waits for one
+# A compile ahead after an edit waits while a step loop runs (foreground or a background run) and for
+# this long after the last one ended: a dispatch-bound loop keeps both of these 2 cores busy, and one
+# thread of compile work beside it slows it 1.8x (a trace also takes the GIL). A rebuild waiting for the
+# program lets it go on at once; a compile already in XLA when a loop starts runs to its end.
+QUIET_S = 0.25
+_running = 0  # step loops past their first step, not ended yet
+_last_loop = 0.0  # `time.monotonic()` when a step loop last started or ended
+
+
+def stepping(running: bool) -> None:
+    """`_pipeline`: a step loop passed its first step (True), or that loop ended (False)."""
+    global _running, _last_loop, _loops
+    with _cv:
+        _running += 1 if running else -1
+        _last_loop = time.monotonic()
+        _loops += running
+        _cv.notify_all()
+
+
+def _held_back() -> float:
+    """Seconds a compile ahead after an edit still waits for: while a step loop runs and for `QUIET_S`
+    after the last one ended (0: it may go on). Under `_cv`."""
+    if _running > 0:
+        return QUIET_S
+    return max(0.0, _last_loop + QUIET_S - time.monotonic())
+
+
+def _may_go(job: "Job") -> bool:
+    """A prefetch serves the loop that is running; a compile ahead after an edit waits for the step
+    loops, unless a handle already waits for the program it compiles (a rebuild: it goes on at once)."""
+    return job.after >= 0 or _held_back() == 0 or _cache.awaited(job.key)
+
+
+def _xla_started() -> None:
+    """`_compile`: a build reached its XLA compile; its trace is done, and XLA holds no GIL.
+    - In a worker: the other worker may start the next job (its trace runs beside this XLA compile).
+      Its own XLA compile waits here while a step loop runs (`_may_go`), unless a rebuild needs it.
+    - In any other thread (a handle's first step): a waiting prefetch starts now rather than after
+      that step. XLA keeps about 1.7 of these 2 cores busy, so the evaluation program traces and
+      compiles beside the gradient program's XLA; for a CNN's rebuilt handle that takes most of its
+      compile off the live-edit cycle (benchmarks/bench_models.py)."""
+    global _loops
+    me = threading.current_thread()
+    if me in _busy:
+        with _cv:
+            _tracing.discard(me)
+            _cv.notify_all()
+            job = _busy[me]
+            _wait_until(lambda: _may_go(job) or job.key not in _wanted)  # a step loop started meanwhile
+            if job.key not in _wanted:  # a newer edit made it stale while it waited: no XLA for it
+                raise Cancelled(job.key.kind)
+    else:
+        with _cv:
+            _loops += 1
+            _cv.notify_all()
+
+
+class Cancelled(Exception):
+    """Raised into a held-back build whose edit was superseded while it waited (the worker's own)."""
+
+
+def _awaiting() -> None:
+    """`_cache`: a thread waits for a key in flight; a held-back compile of it goes on."""
+    with _cv:
+        _cv.notify_all()
+
+
+_compile.XLA_STARTS.append(_xla_started)
+_cache.AWAITING.append(_awaiting)
+
+
+def _quiet_now() -> bool:
+    """`_reuse`: no step loop ran for `QUIET_S`, and no compile ahead is due or running."""
+    with _cv:
+        return _held_back() == 0 and not _busy and not _queue
+
+
+_reuse.IDLE.append(_quiet_now)
+
+
+# ---------------------------------------------------------------- the handle's side (main thread)
+def track(handle) -> None:
+    """Follow `handle` (weakly) so an edit that poisons its programs compiles their replacements."""
+    _recipes[handle] = {}
+
+
+def resolved(handle, spec, key, args: tuple, hook: str | None, fields: dict) -> None:
+    """`handle` resolved the program `key` (new to it) from `args`: keep its recipe, and say the compile
+    lines the worker held for it."""
+    recipes = _recipes.get(handle)
+    if recipes is not None and key not in recipes:
+        recipes[key] = Recipe(spec, hook, dict(fields), _cache.shapes_of(args))
+    if _held:
+        say(key)
+
+
+def say(key=None) -> None:
+    """Say the held compile lines of `key` (every key: None) in the calling thread: the cell's, or a
+    background run's, whose own sink keeps them (`_report`). Never from the worker."""
+    if threading.current_thread() in _workers:
+        return
+    with _cv:
+        keys = list(_held) if key is None else [key] if key in _held else []
+        held = [_held.pop(k) for k in keys]
+    # Only a program still served: one a later edit poisoned was never run (its key's program now is
+    # another, compiled anew or revived), so its lines would say a compile that did not happen.
+    messages = [m for ref, lines in held if (e := ref()) is not None and not e.poisoned for m in lines]
+    for msg in messages:
+        _report.send(msg)
+
+
+def after_edit() -> int:
+    """Scan for drift now and queue the replacements of the poisoned programs live handles run.
+    Returns how many were queued. A no-op when off or when no live handle ran a program."""
+    if not _enabled or not any(_recipes.values()):
+        return 0
+    _cache.ensure_fresh()
+    wanted: set = set()
+    jobs = plan(wanted)
+    if not jobs and not _queue and not _busy:
+        return 0
+    return _submit(jobs, wanted)
+
+
+def bump_world(ahead: bool = False) -> int:
+    """Mark that code may have changed (`importlib.reload`, a redefinition in a script); returns the new
+    world. With `ahead=True`, also start compiling the replacements of the programs the change poisoned
+    in live handles, in the background, as the notebook extension does after every cell."""
+    w = _world.bump_world()
+    if ahead:
+        after_edit()
+    return w
+
+
+def plan(wanted: set | None = None) -> list[Job]:
+    """The programs a rebuild of each live, stale handle will ask for (the keys of every program it ran,
+    recomposed against the live code) that the cache lacks; `wanted` also gets the keys of those it
+    has or is compiling."""
+    jobs, seen = [], set()
+    for handle, recipes in list(_recipes.items()):
+        if _across_processes(handle):
+            continue
+        # Stale: a program it runs was poisoned (a helper, a global moved), or its class cell was re-run
+        # (the rebuild binds the new class, whose hooks key new programs; the old ones stay valid).
+        poisoned = any(e.poisoned for e in handle._programs.values())
+        if not recipes or not (poisoned or live_class(handle._binding.cls) is not handle._binding.cls):
+            continue
+        try:  # exactly what `rebuild()` binds; an error here is the rebuild's to raise, in the foreground
+            b = bind(handle.experiment, handle._binding.splits, handle._options["schedules"])
+        except Exception:  # noqa: BLE001
+            continue
+        model = None  # made for the first job only: most scans find every key compiled or in flight
+        eval_key, metrics, mine = None, [], []
+        for r in list(recipes.values()):
+            # Instances of a re-run class cell in the arguments (an Equinox model as the params) take the
+            # live class, as `rebuild()` re-binds the training state: else the key is the old program's.
+            args = live_value(r.args)
+            if r.spec is METRIC:  # keyed below, from the evaluation program's outputs
+                metrics += metric_request(r.hook, args)
+                continue
+            key = program_key(r.spec, b, args, handle._settings, r.hook)
+            if key in _failed:
+                continue
+            if wanted is not None:
+                wanted.add(key)  # in flight already counts: a job holding it goes on
+            if r.spec is EVAL and eval_key is None:
+                eval_key = key
+            if key in seen or _cache.known(key):
+                continue
+            seen.add(key)
+            if model is None:
+                model = _rebound_model(handle, b)
+            fn = r.spec.build(b, model, handle.accum, r.hook, **r.fields)
+            mine.append(Job(key, fn, args, r.spec, b, mesh=handle._place.mesh,
+                            out_shardings=handle._place.out_shardings(r.spec.kind, args, model)))
+        if metrics and eval_key is not None:
+            # A device metric's arguments are the evaluation program's outputs, whose shapes an edit can
+            # change (a forward that now returns another shape): its replacements are keyed from the
+            # replacement evaluation program's outputs, once that program exists, never from the shapes
+            # the old one gave. One in flight already (an earlier scan's job) queues them when it ends.
+            model = _rebound_model(handle, b) if model is None else model
+            then = _metrics_after(handle, metrics, b, model)
+            queued = [i for i, j in enumerate(mine) if j.key == eval_key]
+            stored = _cache.peek(eval_key)
+            if queued:
+                mine[queued[0]] = mine[queued[0]]._replace(then=then)
+            elif stored is not None:
+                for job in then(stored):
+                    if wanted is not None:
+                        wanted.add(job.key)
+                    if job.key not in seen:
+                        seen.add(job.key)
+                        mine.append(job)
+        jobs += mine
+    return sorted(jobs, key=lambda j: _ORDER.get(j.spec.kind, len(_ORDER)))
+
+
+def _rebound_model(handle, b) -> Model:
+    """The `Model` a rebuild of `handle` builds its programs with, against binding `b`: the parameter
+    tree's user classes re-bound to the live code (an Equinox model's, after its cell re-ran), split and
+    laid out again, and `b`'s hooks' reserved parameters. `handle._model` itself when none of it moved."""
+    old = handle._model
+    params = old.split.combine(handle._params)
+    live = live_value(params)
+    if live is params and old.has_state == b.has_state and old.reserved == b.reserved:
+        return old
+    split = ParamSplit(live)
+    return Model(split, type(handle._layout)(split.trainable(split.dynamic(live))), b.has_state, b.reserved)
+
+
+def _across_processes(handle) -> bool:
+    """A handle on a mesh that spans processes (`jax.distributed`) compiles its programs itself, on
+    demand: every process must build the same program at the same point of the run, and a background
+    compile in each would start whenever that process's cell ended (docs/scale.md). A mesh within this
+    process compiles ahead like one device: the recipes' argument shapes keep their shardings, and each
+    job takes the output shardings the handle's `_place` gives its program."""
+    return bool(getattr(getattr(handle, "_place", None), "multi_process", False))
+
+
+def prefetch_eval(handle) -> bool:
+    """Queue `handle`'s evaluation forward (when it has a `valid` split) to compile in the background
+    while its first epoch trains; validation then finds it compiled or waits for the one in flight."""
+    b = handle._binding
+    split = b.splits.get("valid")
+    if not _enabled or split is None or _across_processes(handle):
+        return False
+    inputs = b.routes["forward"].pick(split)
+    targets = b.routes["loss"].pick(split) if b.loss is not None else ()
+    key, args = eval_key(handle, split, inputs, targets)
+    if key in _failed or _cache.known(key):
+        return False
+    fn = EVAL.build(b, handle._model, handle.accum, None, inputs=inputs, targets=targets)
+    device_metrics = [name for name, (_, residency) in b.metrics.items() if residency == "device"]
+    n, width = split_len(split), handle.batch_size
+    lengths = ([width] if n >= width else []) + ([n % width] if n % width else [])  # validation's order
+    requests = [(name, rows, handle._dev, {k: jax.ShapeDtypeStruct((rows,) + split[k].shape[1:], split[k].dtype)
+                                           for k in b.routes[name].pick(split)})
+                for rows in lengths for name in device_metrics]
+    then = _metrics_after(handle, requests) if requests else None
+    with _cv:
+        if any(j.key == key for j in _queue):
+            return False
+        _queue.append(Job(key, fn, args, EVAL, b, _loops, then=then, mesh=handle._place.mesh,
+                          out_shardings=handle._place.out_shardings(EVAL.kind, args, handle._model)))
+        _wanted.add(key)
+        _start()
+        _cv.notify_all()
+    return True
+
+
+def eval_key(handle, split: dict, inputs, targets) -> tuple:
+    """`(key, args)` of the evaluation program `handle._evaluate` resolves for `split`: its arguments'
+    shapes, batches padded to the batch width and placed as the handle places them (split along a mesh's
+    data axis), without evaluating anything."""
+    width, place = handle.batch_size, handle._place
+
+    def batch(names):  # a zero batch of the width, placed, then only its shapes and shardings kept
+        zeros = {k: np.zeros((width,) + split[k].shape[1:], split[k].dtype) for k in names}
+        return _cache.shapes_of(place.batch(zeros))
+
+    args = _cache.shapes_of((handle._params, handle._model_state, handle._dev)) + (
+        batch(inputs), batch(targets), _cache.shapes_of(place.replicate(np.int32(0))))
+    return program_key(EVAL, handle._binding, args, handle._settings), args
+
+
+def metric_request(name: str, args: tuple) -> list:
+    """`[(name, rows, dev, fields)]` of a device metric's program that ran with `args`: what a
+    replacement keeps (its rows, `Device` values and batch fields) when its outputs' shapes are taken
+    anew; [] when nothing in it has rows (it then compiles on demand)."""
+    dev, outs, fields = args
+    leaves = [a for a in jax.tree.leaves((outs, fields)) if len(a.shape)]
+    return [(name, leaves[0].shape[0], dev, fields)] if leaves else []
+
+
+def _metrics_after(handle, requests: list, b=None, model=None):
+    """An evaluation job's `then`: `metric_jobs` of `requests` once its program exists, for `handle`
+    (held weakly) as it is then."""
+    ref = weakref.ref(handle)
+    return lambda entry: metric_jobs(ref(), entry, requests, b, model)
+
+
+def metric_jobs(handle, eval_entry, requests: list, b=None, model=None) -> list:
+    """The device metrics' programs `handle._evaluate` resolves once its evaluation program
+    `eval_entry` exists, one per request `(name, rows, dev, fields)` (in validation's order: per batch
+    length, full batches and a shorter last one, each metric hook): their arguments are shaped from that
+    program's outputs, sliced to `rows` and placed as validation slices and places them. Built against
+    binding `b` and `model` (a rebuild's; the handle's own by default). [] when the handle is gone or
+    the program does not say its output shapes."""
+    out_avals = None if handle is None else compiled_out_avals(eval_entry.call)
+    if out_avals is None:
+        return []
+    b, model, place = b or handle._binding, model or handle._model, handle._place
+    jobs, seen = [], set()
+    for name, rows, dev, fields in requests:
+        shaped = lambda a: ((rows,) + tuple(a.shape[1:]), a.dtype)  # noqa: E731
+        outputs = jax.tree.map(lambda o: np.zeros(*shaped(o)), out_avals[0])
+        zeros = {k: np.zeros(f.shape, f.dtype) for k, f in fields.items()}
+        outs, placed = _cache.shapes_of(place.metric_args((outputs, zeros)))
+        if place.mesh is None:  # the evaluation program's outputs as they are: their weak types kept
+            outs = jax.tree.map(lambda o: jax.ShapeDtypeStruct(*shaped(o), weak_type=bool(o.weak_type)),
+                                out_avals[0])
+        args = (_cache.shapes_of(dev), outs, placed)
+        key = program_key(METRIC, b, args, handle._settings, name)
+        if key not in seen and key not in _failed and not _cache.known(key):
+            seen.add(key)
+            jobs.append(Job(key, METRIC.build(b, model, handle.accum, name), args, METRIC, b, mesh=place.mesh,
+                            out_shardings=place.out_shardings(METRIC.kind, args, model)))
+    return jobs
+
+
+def _following(job: Job, entry) -> list:
+    """The jobs `job.then` makes of its program `entry` (none when it has no `then`, or raised: those
+    programs then compile on demand, as without it). Not under `_cv`: it keys and builds programs."""
+    if job.then is None or entry is None:
+        return []
+    try:
+        return job.then(entry)
+    except Exception:  # noqa: BLE001
+        return []
+
+
+def _follow(job: Job, jobs: list) -> None:
+    """Queue `jobs` (`_following`) at the head, as validation is about to need them; they start when
+    `job` could. Under `_cv`."""
+    if job.key not in _wanted:  # a newer edit made `job` stale: what follows it would be too
+        return
+    fresh = [j._replace(after=job.after) for j in jobs if j.key not in _wanted]
+    _wanted.update(j.key for j in fresh)
+    _queue.extendleft(reversed(fresh))
+
+
+def _submit(jobs: list[Job], wanted=(), prefetches: bool = True) -> int:
+    """A new scan's plan: what is queued and still wanted stays queued, the rest is dropped (a newer
+    edit made it stale), and `jobs` not queued yet join. A training handle's prefetch stays (an edit
+    does not change what that handle runs), unless `prefetches=False` (`cancel`)."""
+    global _wanted
+    with _cv:
+        ongoing = [j for j in [*_queue, *_busy.values()] if j.after >= 0] if prefetches else []
+        _wanted = set(wanted) | {j.key for j in jobs} | {j.key for j in ongoing}
+        kept = [j for j in _queue if j.key in _wanted]
+        for job in _queue:
+            if job.key not in _wanted:
+                _note(job, "cancelled")
+        queued = {j.key for j in kept}
+        _queue.clear()
+        _queue.extend(kept + [j for j in jobs if j.key not in queued])
+        if _queue:
+            _start()
+        _cv.notify_all()
+    return len(jobs)
+
+
+def cancel() -> None:
+    """Drop every queued compile (the one in flight finishes, unless it waits for a step loop; its
+    result is checked for drift)."""
+    _submit([], prefetches=False)
+
+
+def wait(timeout: float | None = None) -> bool:
+    """Block until the worker is idle (tests, benchmarks); True unless `timeout` ran out first."""
+    with _cv:
+        return _cv.wait_for(lambda: not _queue and not _busy, timeout)
+
+
+EXIT_WAIT_S = 30.0  # at most this long at exit for the job in flight (a trace, or an XLA compile)
+
+
+@atexit.register
+def _at_exit() -> None:
+    # A daemon worker stopped inside a trace or an XLA compile while the interpreter shuts down can crash
+    # the process (a segfault after bench_ahead's last line, 1 run in 5). So drop what is queued (a job
+    # that has not reached XLA yet then stops there, `Cancelled`) and let the one in flight end first.
+    cancel()
+    wait(EXIT_WAIT_S)
+
+
+def status() -> str:
+    """One line on the work due, for `%nitro_ahead`: '' when there is none."""
+    with _cv:
+        kinds = [j.key.kind for j in _busy.values()] + [j.key.kind for j in _queue]
+        held = any(not _may_go(j) for j in [*_busy.values(), *_queue])
+    if not kinds:
+        return ""
+    line = f"{len(kinds)} program{'s' if len(kinds) != 1 else ''} due ({', '.join(kinds)})"
+    if held:
+        line += (", held back while a step loop runs: they compile once it ends, or at once for a rebuild"
+                 " that needs them")
+    return line + "."
+
+
+def history() -> list[Outcome]:
+    """What the workers did, in the order the jobs started (bounded)."""
+    with _cv:
+        return [outcome for _, outcome in sorted(_history, key=lambda h: h[0])]
+
+
+def reset() -> None:
+    """Forget recipes, held lines and failures (`cache_reset`'s companion, for tests)."""
+    cancel()
+    wait()
+    with _cv:
+        _held.clear()
+        _failed.clear()
+        _history.clear()
+
+
+_memo.register(cancel)  # `cache_reset()` drops the queued jobs (they hold the user's functions)
+
+
+# ---------------------------------------------------------------- the worker
+def _next_order() -> int:
+    """The place of a job taken off the queue (under `_cv`), for `history()`."""
+    global _taken
+    _taken += 1
+    return _taken
+
+
+def _note(job: Job, status: str, detail=None, order: int | None = None) -> None:
+    _history.append((_next_order() if order is None else order, Outcome(job.key.kind, status, detail)))
+
+
+def _start() -> None:
+    """Start the workers not running yet (under `_cv`); idle ones wait on it and cost nothing."""
+    _workers[:] = [w for w in _workers if w.is_alive()]
+    while len(_workers) < WORKERS:
+        worker = threading.Thread(target=_work, name=f"nitro_ipy-ahead-{len(_workers) + 1}", daemon=True)
+        _workers.append(worker)
+        worker.start()
+
+
+def _ready() -> bool:
+    return bool(_queue) and _loops > _queue[0].after and not _tracing and _may_go(_queue[0])
+
+
+def _wait_until(ready) -> None:
+    """`_cv.wait_for(ready)`, waking up when the quiet time after a step loop runs out (under `_cv`)."""
+    while not ready():
+        left = _held_back()
+        _cv.wait(max(left, 0.01) if left else None)
+
+
+def _work() -> None:
+    me = threading.current_thread()
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+    except (AttributeError, OSError):  # not Linux: the trace runs at the process's priority
+        pass
+    while True:
+        with _cv:
+            _wait_until(_ready)
+            job = _busy[me] = _queue.popleft()
+            _tracing.add(me)
+            order = _next_order()
+        try:
+            if job.key not in _wanted:
+                with _cv:
+                    _note(job, "cancelled", order=order)
+                continue
+            b = job.binding
+            with _sharding.auto_context(job.mesh):
+                status, entry, detail = _compile.compile_ahead(
+                    job.key, job.fn, job.args, donate_argnums=job.spec.donate,
+                    info={"graphconst": b.graphconst.info},
+                    record=_closure.record_hooks(b.cls, job.key.hooks),
+                    compiler_options=job.spec.compiler_options, sources=b.graphconst_sources,
+                    out_shardings=job.out_shardings,
+                    ahead=_report.BESIDE_TRAINING if job.after >= 0 else _report.AFTER_EDIT)
+            follow = _following(job, entry)
+            with _cv:
+                if status == "failed" and isinstance(detail, Cancelled):
+                    status, detail = "cancelled", None
+                if status == "compiled":
+                    _held[job.key] = (weakref.ref(entry), detail)
+                elif status == "failed":
+                    _failed[job.key] = True
+                _note(job, status, detail if status != "compiled" else None, order=order)
+                _follow(job, follow)
+        except BaseException as err:  # noqa: BLE001 - the worker outlives anything one job does
+            with _cv:
+                _note(job, "failed", err, order=order)
+        finally:
+            with _cv:
+                _busy.pop(me, None)
+                _tracing.discard(me)
+                _cv.notify_all()

@@ -1,0 +1,244 @@
+"""Non-finite steps never reach the parameters.
+
+The optimizer program checks, on device, the step's loss, each gradient buffer and each floating Device
+field (`parts`), and when any is non-finite applies nothing: the whole update is one `lax.cond` (`gated`)
+whose other branch hands back the parameters and optimizer state it was given, inside the program that
+donates them. A small `guard` (one int32 vector, so a step dispatches one more buffer, not four) is
+carried from step to step through the same program:
+
+- `guard[STEPS]`: steps seen since the guard was made (the epoch's start);
+- `guard[BAD]`: how many of them were not applied;
+- `guard[FIRST]`: the index of the first bad one (-1: none); `guard[WHY:]`: which parts were non-finite
+  at that step (1 = non-finite);
+- `guard[FINITE]`, `guard[SUM]`, `guard[COMP]`: how many steps had a finite loss, and the sum of those
+  losses (float32 bits: a compensated sum and its compensation), so a sync point learns the epoch's loss
+  from the one transfer of the guard rather than one transfer per step's loss (`loss_sum`).
+
+`halt=True` (`on_nonfinite="raise"`) makes a bad step sticky: no later step of the epoch applies either,
+so the handle holds exactly the parameters of the last finite step when the loop sees the guard at its
+next sync point (no per-step host sync). `halt=False` (`"skip"`) skips each bad step on its own.
+
+The host side (`diagnose`) turns a guard into the error: which step, what was non-finite, the fix.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._base._errors import NonFiniteLossError
+from .._experiment._checks import kind
+
+STEPS, BAD, FIRST, FINITE, SUM, COMP, WHY = 0, 1, 2, 3, 4, 5, 6
+
+
+def _floating(x) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return jnp.issubdtype(np.asarray(x).dtype if dtype is None else dtype, jnp.inexact)
+
+
+def parts(loss, flat_grads, dev: dict) -> list:
+    """The values a step checks, in the order of `labels`: the loss, each gradient leaf (one per flat
+    buffer), each floating Device field."""
+    grads = [g for g in jax.tree.leaves(flat_grads) if _floating(g)]
+    return [loss, *grads, *(dev[k] for k in sorted(dev) if _floating(dev[k]))]
+
+
+def labels(flat_grads, dev: dict) -> list[str]:
+    """What each of `parts` is, for the error message (works on arrays or avals)."""
+    out = ["the training loss"]
+    for path, g in jax.tree_util.tree_flatten_with_path(flat_grads)[0]:
+        if _floating(g):
+            out.append(f"the gradient of {_buffer_name(path)}")
+    out += [f"Device field `{k}`" for k in sorted(dev) if _floating(dev[k])]
+    return out
+
+
+def _buffer_name(path) -> str:
+    text = jax.tree_util.keystr(path)
+    key = getattr(path[0], "key", None) if len(path) == 1 else None
+    return f"the flat {key} buffer" if isinstance(key, str) and key in np.sctypeDict else f"`params{text}`"
+
+
+def fresh(n_parts: int) -> np.ndarray:
+    """A guard with no steps seen (a host value: transferred once, at the epoch's first step)."""
+    guard = np.zeros(WHY + n_parts, np.int32)
+    guard[FIRST] = -1
+    return guard
+
+
+def bad_steps(guard) -> int:
+    """How many steps of a (host) guard were not applied."""
+    return int(guard[BAD])
+
+
+def first_bad(guard) -> int:
+    """The index, since the guard was made, of its first bad step (-1: none)."""
+    return int(guard[FIRST])
+
+
+def loss_sum(guard) -> tuple[float, int]:
+    """`(sum, count)` of the finite losses a (host) guard has seen."""
+    hi, lo = np.asarray(guard[SUM:COMP + 1], np.int32).view(np.float32).astype(np.float64)
+    return float(hi + lo), int(guard[FINITE])
+
+
+def _add_loss(guard, loss):
+    """`(finite count, sum bits, compensation bits)` after adding `loss` when it is finite: Neumaier's
+    compensated sum in float32, so an epoch's mean loss is as exact as the host's float64 sum was."""
+    finite = jnp.isfinite(loss)
+    x = jnp.where(finite, loss, 0).astype(jnp.float32)
+    bits = lambda v: jax.lax.bitcast_convert_type(v, jnp.int32)
+    s, c = (jax.lax.bitcast_convert_type(guard[i], jnp.float32) for i in (SUM, COMP))
+    t = s + x
+    c = c + jnp.where(jnp.abs(s) >= jnp.abs(x), (s - t) + x, (x - t) + s)
+    return guard[FINITE] + finite.astype(jnp.int32), bits(t), bits(c)
+
+
+def kept_if_finite(checked: list, new, old):
+    """`new` where every value of `checked` (`parts`) is finite, else `old`: the model state (batch
+    statistics) the gradient program carries out of a step, so a step the optimizer program skips does
+    not change it either. Traced inside the gradient program, which does not see the guard: after a bad
+    step with `halt`, the finite steps dispatched before the loop's next sync point still update the
+    state (never with a non-finite value), though not the parameters. A state whose structure, shapes
+    or dtypes moved is taken as it is."""
+    same = lambda a, b: jnp.shape(a) == jnp.shape(b) and jnp.result_type(a) == jnp.result_type(b)  # noqa: E731
+    new_leaves, new_def = jax.tree.flatten(new)
+    old_leaves, old_def = jax.tree.flatten(old)
+    if new_def != old_def or not all(same(a, b) for a, b in zip(new_leaves, old_leaves)):
+        return new
+    ok = ~jnp.any(_bad_parts(checked))
+    return new_def.unflatten([jnp.where(ok, a, b) for a, b in zip(new_leaves, old_leaves)])
+
+
+def _bad_parts(checked: list):
+    """One bool per value of `checked`: whether any of its elements is non-finite."""
+    return jnp.stack([~jnp.all(jnp.isfinite(c)) for c in checked])
+
+
+def decide(guard, checked: list, halt: bool):
+    """`(apply, new guard)`: whether this step's update applies (every value of `checked` is finite and,
+    with `halt`, no earlier step was bad), and the guard that records it (and the loss, `checked[0]`).
+    Traced inside the optimizer program."""
+    bad_parts = _bad_parts(checked)
+    bad = jnp.any(bad_parts)
+    apply = ~bad & (guard[BAD] == 0) if halt else ~bad
+    first_time = bad & (guard[FIRST] < 0)
+    head = jnp.stack([guard[STEPS] + 1, guard[BAD] + bad.astype(jnp.int32),
+                      jnp.where(first_time, guard[STEPS], guard[FIRST]), *_add_loss(guard, checked[0])])
+    why = jnp.where(first_time, bad_parts.astype(jnp.int32), guard[WHY:])
+    return apply, jnp.concatenate([head, why])
+
+
+def gated(apply, step, params, flat_grads, opt_state, *rest):
+    """`step(params, flat_grads, opt_state, *rest)` -> `(params, opt_state)` where `apply`, else
+    `(params, opt_state)` as they came in, exactly. Traced inside the optimizer program.
+
+    One `lax.cond` around the whole update: XLA:CPU runs the branch taken, and the update's arrays are
+    compiled as they are without the guard (selecting the updates instead put a select into each
+    parameter's slice of the flat buffer: +25% XLA time at 242 arrays, measured in
+    benchmarks/profile_handle.py `guard`). An optimizer whose state changes structure, shape or dtype
+    (one that grows it, which recompiles anyway) cannot be a branch of the same type as its input: its
+    updates are masked to zeros (one select per flat buffer) and its new state taken as it is.
+    """
+    keep = lambda params, flat_grads, opt_state, *rest: (params, opt_state)
+    try:
+        return jax.lax.cond(apply, step, keep, params, flat_grads, opt_state, *rest)
+    except TypeError:  # the branches' types differ: the state moved
+        pass
+    new_params, new_state = step(params, flat_grads, opt_state, *rest)
+    new_params = jax.tree.map(lambda n, o: jnp.where(apply, n, o), new_params, params)
+    return new_params, select(apply, new_state, opt_state)
+
+
+def select(apply, new, old):
+    """`new` where `apply`, else `old`, leaf by leaf; a state whose structure or shapes moved cannot go
+    back and is taken as it is."""
+    same = jax.tree.structure(new) == jax.tree.structure(old) and all(
+        jnp.shape(a) == jnp.shape(b) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old)))
+    if not same:
+        return new
+    return jax.tree.map(lambda n, o: jnp.where(apply, n, o).astype(jnp.result_type(n)), new, old)
+
+
+def n_parts(layout, params, dev: dict) -> int:
+    """How many values a step of this handle checks (the length of the guard's `why`)."""
+    return len(labels(layout.abstract(params), dev))
+
+
+# ---------------------------------------------------------------- host side: the error
+def _nonfinite_fields(batch: dict) -> list[str]:
+    out = []
+    for name, a in batch.items():
+        a = np.asarray(a)
+        if kind(a.dtype) in "fc":
+            bad = ~np.isfinite(a)
+            if bad.any():
+                kinds = sorted({str(v) for v in np.unique(a[bad])})
+                out.append(f"`{name}` ({int(bad.sum())} non-finite: {', '.join(kinds)})")
+    return out
+
+
+def _nonfinite_leaves(layout, flat_grads) -> list[str]:
+    tree = layout.unravel(flat_grads)
+    found = []
+    for path, g in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        g = np.asarray(g)
+        if kind(g.dtype) in "fc" and not np.isfinite(g).all():
+            found.append(f"`params{jax.tree_util.keystr(path)}`")
+    return found
+
+
+def diagnose(n, guard, step0: int, batch_at, dev_at, regrad) -> NonFiniteLossError:
+    """The error for the first bad step of `guard` on handle `n`.
+
+    **Arguments:**
+    - `n`: the handle (its parameters are those before the bad step).
+    - `guard`: the guard, on the host.
+    - `step0`: the handle's step when the guard was made.
+    - `batch_at(i)`: the epoch's `i`-th batch (regenerated: the loop's batches are deterministic).
+    - `dev_at(step)`: the Device values the programs got at `step` (schedules re-applied).
+    - `regrad(batch, dev)`: the gradient program's `(flat grads, loss)` at the current parameters.
+
+    **Returns:** the `NonFiniteLossError` to raise, naming the step, what was non-finite and the fix.
+    """
+    index = first_bad(guard)
+    step = step0 + index + 1
+    batch, dev = batch_at(index), dev_at(step - 1)
+    names = labels(n._layout.ravel(n._model.split.trainable(n._params)), dev)
+    what = [name for name, bad in zip(names, np.asarray(guard[WHY:])) if bad]
+    fields = _nonfinite_fields(batch)
+    flat_grads, loss = regrad(batch, dev)
+    leaves = _nonfinite_leaves(n._layout, flat_grads)
+    dev_bad = [w for w in what if w.startswith("Device field")]
+    loss_value = float(np.asarray(jax.device_get(loss)))
+    if "the training loss" in what:
+        head = f"the training loss became {loss_value}"
+    elif dev_bad:
+        head = f"{dev_bad[0]} became non-finite"
+    else:
+        head = f"{(leaves or [w for w in what if w.startswith('the gradient')] or ['a gradient'])[0]}"
+        head = head if head.startswith("the gradient") else f"the gradient of {head}"
+        head += " became non-finite"
+    why = []
+    if fields:
+        why.append(f"the batch's inputs are non-finite: field {', '.join(fields)}. Fix: clean the split "
+                   f"before training (drop the rows, `np.nan_to_num`, or impute).")
+    if dev_bad:
+        sched = [w for w in dev_bad if w.split("`")[1] in n._binding.schedules]
+        shown = ", ".join(f"{w} = {np.asarray(dev[w.split('`')[1]]).tolist()}" for w in dev_bad)
+        src = " (set by its schedule)" if sched else ""
+        why.append(f"{shown}{src}. Fix: make the schedule return a finite value at step {step - 1}."
+                   if sched else f"{shown}. Fix: give the field a finite value.")
+    if leaves and not fields and not dev_bad:
+        why.append(f"non-finite gradient in {', '.join(leaves)} (loss {loss_value}). Fix: look for log(0), "
+                   f"sqrt(0) or division by zero in `forward` / `loss` (`jnp.log(x + 1e-8)`), clip gradients "
+                   f"(`optax.clip_by_global_norm(1.0)`) or lower the learning rate.")
+    elif not why:
+        why.append("Fix: look for log(0) or division by zero in the `loss` hook (`jnp.log(x + 1e-8)`) and "
+                   "lower the learning rate.")
+    return NonFiniteLossError(
+        f"{head} at step {step} (epoch {n.epoch + 1}); that step's update was not applied: `n.params` and "
+        f"the optimizer state are those after step {step - 1}, the last finite one, and the handle stays "
+        f"usable. Cause: {' '.join(why)} To skip such steps instead, pass "
+        f"`Nitro(..., on_nonfinite=\"skip\")` (skipped steps are counted on the epoch line)."
+    )

@@ -1,0 +1,582 @@
+"""`Nitro`: the training handle, a facade over its binding, its programs and the epoch loop.
+
+Setup binds the experiment (`_binding.py`); programs are keyed from the spec table and built by the pure
+builders (`_programs.py`); the epoch loop lives in `_loop.py`. The handle owns the side effects
+(counters, messages) and the state that training advances.
+
+Internal names other code relies on (benchmarks/profile_handle.py, bench_staleness.py): `_params` (the
+dynamic params tree, `_model.ParamSplit`), `_model_state`, `_opt_state`, `_model`, `_dev` (the Device values
+the programs get), `_layout`, `_programs` (key -> Entry this handle runs), `_enter()`, `_run` (the
+background run training it, or None), and `_view`, `_forward`, `_loss`, `_optimizer`, which forward to the
+binding.
+"""
+
+import jax
+import numpy as np
+
+from .. import _closure
+from .._base import _html, _report
+from .._base._errors import NitroValueError
+from .._base._live import live_value
+from .._base._report import Kind
+from .._base._sharding import in_mesh, pace, placement
+from .._compiler import _cache, _compile, _reuse, _store
+from .._experiment import _carry
+from .._experiment._binding import bind
+from .._experiment._checks import (
+    check_metric_count,
+    check_metric_result,
+    check_metric_sum_shape,
+    check_not_empty,
+    check_on_nonfinite,
+    check_positive_int,
+)
+from .._experiment._data import check_splits, eval_batches, split_len, steps_per_epoch
+from .._experiment._layout import FlatLayout, TreeLayout
+from .._experiment._model import (
+    HOST_KEYS,
+    Model,
+    ParamSplit,
+    check_given,
+    check_state,
+    host_step_keys,
+    run_init,
+    strong,
+)
+from .._experiment._optimizer import AT_REBUILD, check_setup, init_optimizer
+from . import _ahead, _checkpoint, _loop, _progress, _runs
+from ._programs import EVAL, GRAD, METRIC, OPT, PREDICT, make_predict, program_key
+
+_strong = strong  # the name benchmarks/profile_handle.py imports
+
+
+class Nitro:
+    """A training handle on experiment `e`. Construction runs setup only; programs compile on first use.
+
+    **Arguments:**
+    - `e`: the experiment, a dataclass with `GraphConst` / `Device` / `Host` fields and hook methods.
+    - `data`: `{"train": split, "valid": split, "test": split}`, each split a dict of arrays with a common
+      leading axis; default: the experiment's `data(self)` hook.
+    - `batch_size`, `max_epochs` (epochs per `train()` call), `accum` (micro-batches per optimizer step).
+    - `schedules`: `{device_field: fn(step) -> value}`, applied before every step.
+    - `seed`: seeds `init` and the per-epoch shuffle.
+    - `progress`: show a progress bar while training (a widget in notebooks, text in terminals).
+    - `flat_params`: update parameters as one flat buffer per dtype (default). Set False for optimizers
+      whose maths is per array (LAMB, LARS, factored Adafactor, masks by parameter path).
+    - `mesh`: a `jax.sharding.Mesh` to run data parallel on (default: the mesh `jax.set_mesh` set, else
+      one device); each batch is split along its `data_axis` (default `"data"`), which `batch_size` must
+      divide. `param_sharding`: `(path, shape) -> PartitionSpec | None` to shard large parameters
+      (needs `flat_params=False`); params and optimizer state are replicated otherwise. See docs/scale.md.
+    - `params`, `state`: start from these values (pretrained, checkpointed) instead of `init`'s; checked
+      against the structure, shapes and dtypes `init` builds (abstractly: no real init is paid).
+    - `resume`: a checkpoint file (`n.save(path)`) to continue from, or `"auto"`: the newest checkpoint in
+      `checkpoint_dir` (a fresh start when there is none). A changed GraphConst field is refused.
+    - `checkpoint_dir`, `checkpoint_every` (epochs), `keep` (newest checkpoints kept; None: all),
+      `keep_best` (`(metric, "min" | "max")`, e.g. `("valid_loss", "min")`: that one is kept too).
+    - `on_nonfinite`: what a step with a NaN or infinite loss, gradient or Device value does. Either way
+      its update is never applied (checked on device, inside the optimizer program). `"raise"` (default):
+      training stops with `NonFiniteLossError` naming the step and the cause, the handle holding the last
+      finite parameters; `"skip"`: the step is skipped and counted (`skipped` on the epoch line).
+    - `stop_when`: `(metric, "min" | "max", patience)`: early stopping on an epoch row's metric, e.g.
+      `("valid_loss", "min", 3)`; the row where it fires says so in `row["stopped"]`.
+    """
+
+    def __init__(
+        self,
+        e,
+        data=None,
+        *,
+        batch_size: int = 128,
+        max_epochs: int = 1,
+        accum: int = 1,
+        schedules: dict | None = None,
+        seed: int = 0,
+        progress: bool = True,
+        flat_params: bool = True,
+        mesh=None,
+        data_axis: str = "data",
+        param_sharding=None,
+        params=None,
+        state=None,
+        resume=None,
+        checkpoint_dir=None,
+        checkpoint_every: int | None = None,
+        keep: int | None = None,
+        keep_best: tuple | None = None,
+        on_nonfinite: str = "raise",
+        stop_when: tuple | None = None,
+    ):
+        options = dict(
+            data=data, batch_size=batch_size, max_epochs=max_epochs, accum=accum,
+            schedules=schedules, seed=seed, progress=progress, flat_params=flat_params,
+            mesh=mesh, data_axis=data_axis, param_sharding=param_sharding,
+            on_nonfinite=on_nonfinite, stop_when=stop_when,
+        )
+        # Checkpointing is checked before setup: a bad setting fails fast, before `init` runs.
+        checkpoints = (None if checkpoint_every is None
+                       else _checkpoint.Policy(checkpoint_dir, checkpoint_every, keep, keep_best))
+        if resume == "auto":
+            if checkpoint_dir is None:
+                raise NitroValueError('`resume="auto"` resumes from the newest checkpoint of `checkpoint_dir=`; '
+                                      "pass it (or a checkpoint file as `resume=`).")
+            resume = _checkpoint.newest(checkpoint_dir)
+        options["checkpoints"] = checkpoints
+        _store.activate()  # before setup: its eager operations compile too
+        given = None if params is None and state is None else (params, state)
+        self._setup(e, options, carry=None, given=given)
+        if resume is not None:
+            _checkpoint.restore(self, resume)
+
+    @classmethod
+    def _carrying(cls, e, options: dict, carry: tuple) -> "Nitro":
+        """A handle set up with `options` whose `(params, model state, optimizer state, step, epoch)` are
+        `carry` (`params` the user's tree; optimizer state None to initialize it)."""
+        n = cls.__new__(cls)
+        n._setup(e, options, carry)
+        return n
+
+    @in_mesh(lambda self, e, options, carry, given=None: options["mesh"])
+    def _setup(self, e, options: dict, carry: tuple | None, given: tuple | None = None):
+        batch_size, max_epochs, accum = options["batch_size"], options["max_epochs"], options["accum"]
+        for name, value in (("batch_size", batch_size), ("max_epochs", max_epochs), ("accum", accum)):
+            check_positive_int(name, value)
+        self.batch_size, self.max_epochs, self.accum = int(batch_size), int(max_epochs), int(accum)
+        self.seed, self.progress, self.flat_params = options["seed"], options["progress"], options["flat_params"]
+        self._options = options
+        self.on_nonfinite = check_on_nonfinite(options.get("on_nonfinite", "raise"))
+        # Where arrays live (one device, or a mesh): asked at setup, per batch and per compile.
+        self._place = place = placement(options["mesh"], options["data_axis"], options["param_sharding"])
+        place.check_batch_size(self.batch_size)
+        # The handle is a fixed point from here on: hooks, routes and fingerprints are bound now.
+        self._binding = b = bind(e, options["data"], options["schedules"])
+        self.experiment = b.experiment
+        # Device fields: converted once, strongly typed, passed to every program as traced inputs.
+        self._dev = place.replicate({n: jax.device_put(v) for n, v in b.device_host.items()})
+
+        if carry is not None:
+            params, state, opt_state, self.step, self.epoch = carry
+            if opt_state is not None:  # a rebuild: the new handle's own buffers (the old one keeps its
+                # own), one transfer for all; static leaves (an Equinox model's functions, floats) stay static
+                params, state, opt_state = _carry.copy_arrays((params, state, opt_state))
+            # User classes in the training state (an Equinox model) re-bound to the live code, values kept.
+            params, state, opt_state = live_value(params), live_value(state), live_value(opt_state)
+            _carry.check_fits(b.cls, b.init, b.experiment, self.seed, params, b.has_state, state)
+        elif given is not None:
+            params, state = check_given(b, jax.random.PRNGKey(self.seed), *given)
+            opt_state, self.step, self.epoch = None, 0, 0
+        else:
+            params, state = run_init(b, jax.random.PRNGKey(self.seed))
+            opt_state, self.step, self.epoch = None, 0, 0
+        if state is not None:
+            check_state(state)
+        split = ParamSplit(params)  # refuses, at setup, a leaf neither array nor static, naming its path
+        on_mesh = place.mesh is not None  # a mesh's placement makes leaves strong itself, with no host copy
+        dynamic = split.dynamic(params)
+        # The dynamic tree (static leaves are None, so a `param_sharding` rule never sees them) is placed.
+        self._params = place.params(jax.tree.map(_strong, dynamic) if opt_state is None and not on_mesh else dynamic)
+        place.check_layout(self.flat_params)
+        if state is not None:
+            state = place.state(state) if on_mesh else jax.tree.map(_strong, state)
+        self._model_state = state
+        trainable = split.trainable(self._params)
+        self._layout = (FlatLayout if self.flat_params else TreeLayout)(trainable)
+        self._model = Model(split, self._layout, b.has_state, b.reserved)
+        if opt_state is None:
+            opt_state = init_optimizer(b, self._layout, trainable, self._dev)
+            opt_state = place.opt_state(opt_state) if on_mesh else jax.tree.map(_strong, opt_state)
+        else:
+            opt_state = place.opt_state(opt_state)
+        self._opt_state = opt_state
+        self._settings = {"accum": self.accum, "layout": self._layout.signature, "statics": split.signature,
+                          "on_nonfinite": self.on_nonfinite}  # what specs' options name
+        # How `_seed_step` places the rng argument: None (no hook wants `rng`), False (as a host array),
+        # or the mesh placement that replicates it. A method, not a lambda over `self`: a handle in a
+        # reference cycle outlives its last name until a garbage collection, and its programs with it.
+        self._rng_place = None if not b.wants_rng else place if on_mesh else False
+        self._host_keys = (None, 0, ())  # (seed, first step, keys): `_seed_step`'s window
+
+        # Where an epoch an interrupt cut short stopped: (its steps taken, their loss sum and count); the
+        # next train() goes on from there (`_loop.train_epoch`). (0, 0.0, 0) at an epoch boundary.
+        self._cursor = (0, 0.0, 0)
+        self._programs: dict = {}  # key -> Entry: what this handle runs (kept even if poisoned)
+        self._guard_parts = None  # values a step's guard checks (`_loop.guard_parts`), once known
+        # Params or optimizer state handed out since the last step: the next one copies them before it
+        # donates them, if they are still held (`_loop.unshare`).
+        self._shared = True
+        self._progress = None  # the running train() call's `_progress.Progress`, read by the step loop
+        self._curve: list = []  # (epoch position, train loss) at sync points: the chart of the panel and `plot()`
+        self._kinds_seen: dict = {}  # kind -> key of the first program of that kind
+        self._loops_reported: set = set()
+        self._checkpoints = options.get("checkpoints")
+        self.history: list[dict] = _runs.History()  # a list of epoch rows, with `.table()`
+        self._stop_when = _runs.early_stop(options.get("stop_when"), b.splits)
+        self._run = None  # the background run training this handle, if any (`_runs.check_idle`)
+        _ahead.track(self)  # weakly: an edit that poisons its programs compiles their replacements ahead
+
+    # ---------------------------------------------------------------- state
+    @property
+    def params(self):
+        """The current parameters: the pytree `init` returned (an Equinox module, Flax variables, a dict),
+        updated by training, static leaves included. Arrays you keep stay valid: the next step copies
+        the parameters before it donates them (once per read, not per step)."""
+        self._shared = True
+        return self._model.split.combine(self._params)
+
+    @property
+    def state(self):
+        """The model state (batch statistics, say): the second value `init` returned when `forward`
+        declares `state`, updated by every training step; None when the model has none."""
+        return self._model_state
+
+    @property
+    def opt_state(self):
+        """The optimizer state (over the flat parameter buffers unless `flat_params=False`). Arrays you
+        keep stay valid, as with `params`."""
+        self._shared = True
+        return self._opt_state
+
+    def save(self, path, *, wait: bool = False) -> str:
+        """Write a checkpoint (params, model and optimizer state, step, epoch, seed, the position in a cut
+        epoch, history and the experiment's manifest) to `path`, atomically; a directory gets
+        `step-<step>.nitro.npz`. Resume it with `Nitro(e, resume=path)`. Returns the file's path.
+
+        The state is copied off the device before this returns; the file is written and fsync'ed in the
+        background (`wait=True`: before this returns). nitro_ipy waits for it before the next save,
+        before reading a checkpoint and at exit (a kernel restart included). Refused while a background
+        run trains this handle (`HandleBusyError`): its steps donate the arrays a save reads;
+        `checkpoint_every=` saves from the run itself."""
+        _runs.check_idle(self, "save")
+        return _checkpoint.save(self, path, wait=wait)
+
+    def rebuild(self, e=None) -> "Nitro":
+        """A new handle with the current params, model state and optimizer state carried over and hooks
+        re-bound through the class as it is now: the way to pick up an edit.
+
+        **Arguments:**
+        - `e`: the experiment to carry the state onto (say, re-created by the re-run cell); default this
+          handle's. Refused, with a per-parameter diff, when the parameters no longer fit its `init`.
+        """
+        _runs.check_idle(self, "rebuild")
+        carry = (self.params, self._model_state, self._opt_state, self.step, self.epoch)
+        new = Nitro._carrying(self.experiment if e is None else e, self._options, carry)
+        if self._optimizer_may_differ(new):
+            # The state carries over, so the optimizer's setup checks run again without its `init`: an
+            # edit that keeps the state's structure (`clip_by_global_norm` to `adaptive_grad_clip`) would
+            # otherwise train other maths on the flat layout, in silence.
+            try:
+                check_setup(new._binding, new._layout, new._model.split.trainable(new._params), new._dev)
+            except NitroValueError as err:
+                state = ", state=n.state" if new._model_state is not None else ""
+                raise NitroValueError(str(err) + AT_REBUILD.format(state=state)) from None
+        new._curve = list(self._curve)  # the loss chart goes on where it was
+        new._cursor = self._cursor  # and a cut epoch where it stopped
+        return new
+
+    def _optimizer_may_differ(self, new: "Nitro") -> bool:
+        """Whether `new` (this handle rebuilt) may build another optimizer than this one was checked
+        with: its hook or GraphConst values moved, or this handle's optimizer program went stale (a
+        helper it calls was edited), or it never ran one (nothing would have told)."""
+        a, b = self._binding, new._binding
+        _cache.ensure_fresh()  # an edit since the last scan poisons now (one comparison when none)
+        opt = [e for e in self._programs.values() if e.kind == "opt"]
+        return (a.hook_fps.get("optimizer") != b.hook_fps.get("optimizer") or a.graphconst.hash != b.graphconst.hash
+                or not opt or any(e.poisoned for e in opt))
+
+    def __repr__(self):
+        return (
+            f"Nitro({type(self.experiment).__qualname__}, step={self.step}, epoch={self.epoch}, "
+            f"programs={len(self._programs)}, stale={any(e.poisoned for e in self._programs.values())})"
+        )
+
+    # Documented internal names (see the module docstring): the binding's, under the handle's old names.
+    _view = property(lambda self: self._binding.view)
+    _forward = property(lambda self: self._binding.forward)
+    _loss = property(lambda self: self._binding.loss)
+    _optimizer = property(lambda self: self._binding.optimizer)
+
+    # ---------------------------------------------------------------- programs
+    def _resolve(self, spec, args: tuple, hook: str | None = None, **fields):
+        """The entry of `spec`'s program for `args`: this handle's, the cache's, or compiled now.
+
+        **Arguments:**
+        - `spec`: the program's kind, from `_programs.SPECS`.
+        - `args`: the arguments it will be called with.
+        - `hook`: for a per-hook kind (`metric`), the hook it traces.
+        - `fields`: the batch fields the builder routes (`inputs`, `targets`), if it takes any.
+
+        **Returns:** the `_cache.Entry`; a hit is counted, a compile reported.
+        """
+        key = program_key(spec, self._binding, args, self._settings, hook)
+        entry = self._programs.get(key)
+        if entry is not None:
+            _cache.count_hit(entry)
+            return entry
+        # The key holds the GraphConst fingerprints taken at setup, the trace reads the live values: a
+        # value mutated in place since would put a program of the new value under the old key.
+        self._binding.check_graphconst_unchanged()
+        entry = _cache.lookup(key)
+        if entry is None:
+            fn = spec.build(self._binding, self._model, self.accum, hook, **fields)
+            entry = _compile.compile_program(key, fn, args, donate_argnums=spec.donate,
+                                             info={"graphconst": self._binding.graphconst.info},
+                                             record=_closure.record_hooks(self._binding.cls, key.hooks),
+                                             compiler_options=spec.compiler_options,
+                                             sources=self._binding.graphconst_sources,
+                                             out_shardings=self._place.out_shardings(spec.kind, args, self._model))
+            first = self._kinds_seen.get(key.kind)
+            if spec.loops and first is not None and first.hooks == key.hooks and key.kind not in self._loops_reported:
+                self._loops_reported.add(key.kind)
+                _report.emit(Kind.RECOMPILE_LOOP, program=key.kind, why=entry.why or "the key moved")
+        self._kinds_seen.setdefault(key.kind, key)
+        self._programs[key] = entry
+        _ahead.resolved(self, spec, key, args, hook, fields)
+        return entry
+
+    def _seed_step(self, step: int):
+        """The gradient program's rng argument for `step` (replicated on a mesh), or None: the step's key
+        (`_model.step_key`; before the micro-batch is folded in when `accum > 1`), from a window of
+        `HOST_KEYS` keys computed at once on the host."""
+        place = self._rng_place
+        if place is None:
+            return None
+        seed, start, keys = self._host_keys
+        if not 0 <= step - start < len(keys) or seed != self.seed:  # (a resume sets the seed it saved)
+            seed, start, keys = self._host_keys = (self.seed, step, host_step_keys(
+                self.seed, step, HOST_KEYS, 0 if self.accum == 1 else None))
+        key = keys[step - start]
+        return key if place is False else place.replicate(key)
+
+    def _grad_entry(self, batch):
+        routes = self._binding.routes
+        args = (self._params, self._model_state, self._dev, batch, self._seed_step(self.step))
+        return self._resolve(GRAD, args, inputs=routes["forward"].pick(batch), targets=routes["loss"].pick(batch))
+
+    def _opt_entry(self, flat_grads, loss, guard):
+        return self._resolve(OPT, (self._params, flat_grads, self._opt_state, self._dev, loss, guard),
+                             halt=self.on_nonfinite == "raise")
+
+    # ---------------------------------------------------------------- entry points
+    def _enter(self, what: str = "this entry point"):
+        _runs.check_idle(self, what)
+        _cache.ensure_fresh()
+        stale = [e for e in self._programs.values() if e.poisoned]
+        schedules = self._binding.edited_schedules() if self._binding.schedules else ()
+        if stale or schedules:
+            _report.emit(Kind.STALE_HANDLE, handle=self, names=_report.merge_names(stale),
+                         kinds=tuple(e.kind for e in stale), schedules=schedules)
+
+    def train(self, epochs: int | None = None, *, background: bool = False):
+        """Train for `epochs` (default `max_epochs`) epochs, validating after each one when a `valid`
+        split exists. Returns this call's epoch rows (also appended to `n.history`).
+
+        With `background=True`, returns a `Run` at once and trains in a worker thread: `run.stop()`,
+        `run.wait()` (see `_runs.py`). Ctrl-C in the foreground raises `TrainingInterrupted`, one line,
+        with the handle usable.
+        """
+        if epochs is not None:  # before anything runs: `train(0)` would return [] as if it had trained
+            check_positive_int("epochs", epochs, " (or None for `max_epochs`)")
+        self._enter("train")
+        b = self._binding
+        b.need_loss("training")
+        split = b.split("train")
+        steps = steps_per_epoch(split, self.batch_size, self.accum)
+        if steps == 0:
+            raise NitroValueError(
+                f"the train split has {split_len(split)} examples, fewer than one step "
+                f"(batch_size={self.batch_size} x accum={self.accum}); lower `batch_size`."
+            )
+        fields = sorted(set(b.routes["forward"].pick(split)) | set(b.routes["loss"].pick(split)))
+        epochs = self.max_epochs if epochs is None else epochs
+        control = _runs.RunControl(self, steps, quiet=background)
+        work = lambda: self._train_epochs(control, split, fields, steps, epochs)  # noqa: E731
+        if background:
+            return _runs.start(self, control, work, epochs)
+        return _runs.foreground(control, work)
+
+    @in_mesh()  # here, not on `train`: a background run trains in its own thread
+    def _train_epochs(self, control, split: dict, fields, steps: int, epochs: int) -> list[dict]:
+        # This call's progress report (None with `progress=False`); the loop reads it from the handle.
+        progress = self._progress = _progress.start(self, epochs, steps, quiet=control.quiet)
+        try:
+            with _reuse.training():  # no trace-reuse warming while this trains
+                rows = self._epochs(control, split, fields, epochs, progress)
+        except BaseException as err:
+            if progress is not None:
+                progress.close(err)
+            raise
+        finally:
+            self._progress = None
+        if self._checkpoints is not None:  # the last periodic checkpoint is on disk when train() returns
+            _checkpoint.wait()
+        if progress is not None:
+            progress.close()
+        return rows
+
+    def _epochs(self, control, split: dict, fields, epochs: int, progress) -> list[dict]:
+        steps = control.steps
+        b = self._binding
+        rows = control.rows
+        stopper = self._stop_when.fresh() if self._stop_when is not None else None
+        _ahead.prefetch_eval(self)  # validation's program compiles while the first epoch trains
+        for _ in range(epochs):
+            if control.pending:  # a stop asked for between epochs (during validation)
+                raise KeyboardInterrupt
+            control.begin_epoch()
+            loss, skipped = _loop.train_epoch(self, split, fields, steps, control)
+            row = {"epoch": self.epoch + 1, "loss": loss}
+            if self.on_nonfinite == "skip":
+                row["skipped"] = skipped
+            self._cursor, self.epoch = (0, 0.0, 0), self.epoch + 1  # counted: no signal handler runs between the two stores
+            # In the history before validation, so an interrupt there keeps the epoch's row.
+            self.history.append(row)
+            rows.append(row)
+            if "valid" in b.splits:
+                control.validating = True
+                row.update({f"valid_{k}": v for k, v in self._evaluate("valid").items()})
+            if stopper is not None and (reason := stopper.update(row)):
+                row["stopped"] = reason
+            if self._checkpoints is not None:  # after validation: `keep_best` ranks by the row's metrics
+                self._checkpoints.after_epoch(self)
+            if progress is not None:
+                progress.end_epoch(row)
+            if self.progress:
+                _report.emit(Kind.EPOCH, record=row)  # `record` is the EPOCH message's field name
+            if row.get("stopped"):
+                break
+        if control.pending and control.cuts_epoch():  # a Ctrl-C dropped in the last validation
+            raise KeyboardInterrupt
+        return list(rows)
+
+    def set(self, **values) -> None:
+        """Set Device fields of this live handle with no recompile: `n.set(lr=1e-4)`. Each value is
+        coerced to the field's dtype and shape and used from the next step on (also while a background
+        run trains). A Host field is set on `n.experiment` (compiled code never reads it). A GraphConst
+        field is refused: a new value means new programs (a new experiment, or an edit and `rebuild`)."""
+        _runs.set_fields(self, values)
+
+    def plot(self) -> "_html.LossChart":
+        """The loss chart of this handle's training: train loss at each sync point (per epoch when it
+        trained with `progress=False`), validation loss per epoch, as the live panel draws it. Displays as
+        SVG in a notebook and as a one-line summary elsewhere."""
+        curve = self._curve or [(r["epoch"], r["loss"]) for r in self.history]
+        valid = [(float(r["epoch"]), r["valid_loss"]) for r in self.history if "valid_loss" in r]
+        return _html.LossChart(curve, valid)
+
+    @in_mesh()
+    def validate(self) -> dict:
+        """Evaluate on the `valid` split: `{"loss": ..., <metric>: ...}`."""
+        self._enter("validate")
+        return self._evaluate("valid")
+
+    @in_mesh()
+    def evaluate(self, split: str = "test") -> dict:
+        """Evaluate on `split`: the exact, example-weighted loss and every metric, over every example."""
+        self._enter("evaluate")
+        return self._evaluate(split)
+
+    def _evaluate(self, split_name: str) -> dict:
+        b = self._binding
+        split = b.split(split_name)
+        n = split_len(split)
+        check_not_empty(split_name, n, "evaluating it")
+        inputs = b.routes["forward"].pick(split)
+        targets = b.routes["loss"].pick(split) if b.loss is not None else ()
+        metric_fields = {name: b.routes[name].pick(split) for name in b.metrics}
+        fields = sorted(set(inputs) | set(targets) | {f for fs in metric_fields.values() for f in fs})
+        host_view = b.view(b.device_host)
+        place = self._place
+        loss_sums, sums = [], {}
+        entry = None
+        for batch, n_valid in eval_batches(split, fields, self.batch_size):
+            x = place.batch({k: batch[k] for k in inputs})
+            t = place.batch({k: batch[k] for k in targets})
+            args = (self._params, self._model_state, self._dev, x, t, place.replicate(np.int32(n_valid)))
+            if entry is None:
+                entry = self._resolve(EVAL, args, inputs=inputs, targets=targets)
+            else:
+                _cache.count_hit(entry)
+            outputs, loss_sum = entry.call(*args)
+            loss_sums.append(loss_sum)
+            pace(loss_sums, place.ahead)  # a CPU mesh deadlocks when too many steps queue (`_sharding`)
+            if not b.metrics:
+                continue
+            if n_valid < self.batch_size:
+                outputs = jax.tree.map(lambda o: o[:n_valid], outputs)
+            for name, (fn, residency) in b.metrics.items():
+                f = {k: batch[k][:n_valid] for k in metric_fields[name]}
+                if residency == "device":
+                    margs = (self._dev, *place.metric_args((outputs, f)))
+                    result = self._resolve(METRIC, margs, hook=name).call(*margs)
+                else:
+                    result = fn(host_view, jax.tree.map(np.asarray, place.host(outputs)), **f)
+                _accumulate(sums, name, result)
+        out = {}
+        if b.loss is not None:
+            out["loss"] = float(np.sum(np.asarray(place.host(loss_sums), np.float64)) / n)
+        for name, (s, c) in sums.items():
+            s, c = place.host(s), place.host(c)
+            if c is not None:
+                check_metric_count(split_name, name, c)
+            value = np.asarray(s) / c if c is not None else np.asarray(s)
+            out[name] = float(value) if np.ndim(value) == 0 else value
+        return out
+
+    @in_mesh()
+    def predict(self, inputs: dict):
+        """Run `forward` over `inputs` (a dict of arrays) in batches; returns the outputs as numpy."""
+        self._enter("predict")
+        split = check_splits({"inputs": inputs})["inputs"]
+        route = self._binding.routes["forward"]
+        names = route.pick(split)
+        missing = [f for f in route.required if f not in split]
+        if missing:
+            raise NitroValueError(
+                f"`predict` needs the `forward` inputs {', '.join(f'`{m}`' for m in missing)}; got "
+                f"{', '.join(f'`{k}`' for k in split)}."
+            )
+        if split_len(split) == 0:  # zero rows: empty outputs of the right shape, traced, never compiled
+            fn = make_predict(self._binding.view, self._binding.forward, self._model, self._binding.cls.__qualname__)
+            shapes = jax.eval_shape(fn, self._params, self._model_state, self._dev, {k: split[k] for k in names})
+            return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+        pieces = []
+        entry = None
+        for batch, n_valid in eval_batches(split, names, self.batch_size):
+            args = (self._params, self._model_state, self._dev, self._place.batch(batch))
+            if entry is None:
+                entry = self._resolve(PREDICT, args)
+            else:
+                _cache.count_hit(entry)
+            out = self._place.host(entry.call(*args))
+            pieces.append(jax.tree.map(lambda o: np.asarray(o)[:n_valid], out))
+        return jax.tree.map(lambda *xs: np.concatenate(xs), *pieces)
+
+
+def _accumulate(sums: dict, hook_name: str, result):
+    for name, (s, c) in check_metric_result(hook_name, result).items():
+        if name in sums:
+            s0, c0 = sums[name]
+            check_metric_sum_shape(hook_name, name, s0, s)
+            sums[name] = (s0 + s, None if c is None else c0 + c)
+        else:
+            sums[name] = (s, c)
+
+
+# Function forms, for those who prefer them.
+def train(n: Nitro, epochs: int | None = None, *, background: bool = False):
+    """`n.train(epochs, background=background)`."""
+    return n.train(epochs, background=background)
+
+
+def validate(n: Nitro) -> dict:
+    """`n.validate()`."""
+    return n.validate()
+
+
+def evaluate(n: Nitro, split: str = "test") -> dict:
+    """`n.evaluate(split)`."""
+    return n.evaluate(split)
+
+
+def predict(n: Nitro, inputs: dict):
+    """`n.predict(inputs)`."""
+    return n.predict(inputs)

@@ -1,0 +1,271 @@
+"""What each program traces. Pure JAX: functions in, arrays out; no counters, no messages.
+
+Every builder takes the hooks as plain functions (bound later to the compile view) and returns the
+function that `jax.jit(...).lower(...)` traces:
+
+- gradient: `(params, state, dev, batch, rng) -> (flat grads, mean loss, new state)`, a `lax.scan` over
+  `accum` micro-batches (`rng` is `[seed, step]`, or None when no hook declares `rng`);
+- optimizer: `(params, flat grads, opt state, dev, loss, guard) -> (params, opt state, guard)`, separate
+  even at accum=1; a non-finite step keeps the old params and state (`_guard`);
+- evaluation forward: `(params, state, dev, inputs, targets, n_valid) -> (outputs, loss sum over valid rows)`;
+- device metric: `(dev, outputs, fields) -> {name: (sum, count)}`;
+- predict: `(params, state, dev, inputs) -> outputs`.
+
+`params` is the dynamic tree of `_model.ParamSplit` (static leaves are None and baked in); `state` is the
+model state (None when `forward` does not declare it).
+
+`SPECS` holds one `Spec` per kind (the hooks it traces, its argument names, its builder, the handle
+settings in its key, donation, XLA options), and `program_key` composes every key from a spec.
+"""
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from .._compiler import _reuse
+from .._compiler._cache import Key, arg_signature
+from .._compiler._compile import OPTIMIZER_OPTIONS
+from .._experiment._checks import check_loss, check_metric_result
+from .._experiment._model import EVAL_KEY_SEED, forward_result
+from .._experiment._optimizer import update_args
+from ._guard import decide, gated, kept_if_finite, parts
+
+
+def call_forward(model, owner, forward, view, params, inputs: dict, state, key, train: bool):
+    """`(outputs, new_state)`: `forward` called with the reserved parameters it declares."""
+    reserved = model.reserved.get("forward", ())
+    extra = {}
+    if "rng" in reserved:
+        extra["rng"] = key
+    if "train" in reserved:
+        extra["train"] = train
+    if not model.has_state:
+        return forward(view, params, **inputs, **extra), state
+    return forward_result(owner, forward(view, params, **inputs, state=state, **extra), state)
+
+
+def call_loss(model, loss, view, outputs, targets: dict, train: bool):
+    """The `loss` hook's value, checked to be a real scalar (`_checks.check_loss`)."""
+    extra = {"train": train} if "train" in model.reserved.get("loss", ()) else {}
+    return check_loss(loss(view, outputs, **targets, **extra))
+
+
+def make_training_forward(view_of, forward, model, owner: str = ""):
+    """The forward as the gradient program calls it: `(dev, params, trainable, inputs, state, key, view=None)
+    -> (outputs, new state)`, the trainable leaves put back into `params` (a `_reuse.Forward` calls it
+    without `view`, which it then makes from `dev`)."""
+    split = model.split
+
+    def forward_of(dev, params, trainable, inputs, state, key, view=None):
+        full = split.combine(split.with_trainable(params, trainable))
+        view = view_of(dev) if view is None else view
+        return call_forward(model, owner, forward, view, full, inputs, state, key, True)
+
+    return forward_of
+
+
+def make_gradient(view_of, forward, loss, input_names, target_names, model, accum: int, owner: str = "",
+                  reuse=None, warming: bool = False):
+    """The gradient program. `reuse`: a `_reuse.Forward` to call the forward through, where its argument
+    types fit (always when `warming`: that trace is what makes it fit)."""
+    split, layout = model.split, model.layout
+    forward_of = make_training_forward(view_of, forward, model, owner)
+
+    def loss_of(trainable, params, state, dev, view, batch, key):
+        inputs = {k: batch[k] for k in input_names}
+        args = (dev, params, trainable, inputs, state, key)
+        if reuse is not None and (warming or reuse.fits(args)):
+            outputs, state = reuse(*args, warming=warming)
+        else:
+            outputs, state = forward_of(*args, view=view)
+        return call_loss(model, loss, view, outputs, {k: batch[k] for k in target_names}, True), state
+
+    def gradient(params, state, dev, batch, step_rng):
+        state_in = state
+        view = view_of(dev)
+        trainable = split.trainable(params)
+        # `step_rng` is the step's key computed on the host (`Nitro._seed_step`): with micro-batches, the
+        # key each one folds in its index to (the `step_key` rule); else the key itself.
+        if step_rng is None:
+            key = lambda i: None  # noqa: E731
+        elif accum == 1:
+            key = lambda i: step_rng  # noqa: E731
+        else:
+            key = lambda i: jax.random.fold_in(step_rng, i)  # noqa: E731
+        value_and_grad = jax.value_and_grad(loss_of, has_aux=True)
+        if accum == 1:
+            (value, state), grads = value_and_grad(trainable, params, state, dev, view, batch, key(0))
+        else:
+            def micro(carry, xs):
+                total, acc, state = carry
+                i, micro_batch = xs
+                (value, state), grads = value_and_grad(trainable, params, state, dev, view, micro_batch, key(i))
+                return (total + value, jax.tree.map(jnp.add, acc, grads), state), None
+
+            zeros = jax.tree.map(jnp.zeros_like, trainable)
+            carry = (jnp.zeros((), jnp.float32), zeros, state)
+            (total, grads, state), _ = jax.lax.scan(micro, carry, (jnp.arange(accum), batch))
+            value = total / accum
+            grads = jax.tree.map(lambda g: g / accum, grads)
+        flat = layout.ravel(grads)
+        if model.has_state:  # a step the optimizer program will not apply keeps the state it came with
+            state = kept_if_finite(parts(value, flat, dev), state, state_in)
+        return flat, value, state
+
+    return gradient
+
+
+def make_optimizer(view_of, optimizer, model, halt: bool = True):
+    split, layout = model.split, model.layout
+
+    def step(params, flat_grads, opt_state, dev, loss):
+        tx = optimizer(view_of(dev))
+        trainable = split.trainable(params)
+        # The flat params are only built for an optimizer that reads them (weight decay, say): for one
+        # that does not, XLA drops the concatenation, and a step never copies the whole model. The
+        # updates are then added array by array, exactly as `apply_updates` on the flat buffer would.
+        updates, new_state = tx.update(flat_grads, opt_state, layout.ravel(trainable), **update_args(tx, loss))
+        return split.with_trainable(params, optax.apply_updates(trainable, layout.unravel(updates))), new_state
+
+    def update(params, flat_grads, opt_state, dev, loss, guard):
+        # A non-finite loss, gradient or Device value keeps the old buffers (`_guard`): checked here,
+        # where params and state are donated, so no step ever syncs with the host to find out.
+        apply, guard = decide(guard, parts(loss, flat_grads, dev), halt)
+        new_params, new_state = gated(apply, step, params, flat_grads, opt_state, dev, loss)
+        return new_params, new_state, guard
+
+    return update
+
+
+def per_example_loss(view, loss, outputs, targets: dict):
+    """The loss of each example on its own (the hook applied to batches of one), so a padded batch
+    can be masked and the split's loss weighted by examples exactly, whatever the batch layout."""
+
+    def one(o, t):
+        add_axis = lambda a: a[None]
+        return check_loss(loss(view, jax.tree.map(add_axis, o), **jax.tree.map(add_axis, t)))
+
+    return jax.vmap(one)(outputs, targets)
+
+
+def make_eval(view_of, forward, loss, input_names, target_names, model, owner: str = ""):
+    split = model.split
+    eval_loss = loss if loss is None else (lambda view, outputs, **t: call_loss(model, loss, view, outputs, t, False))
+
+    def evaluate(params, state, dev, inputs, targets, n_valid):
+        view = view_of(dev)
+        key = jax.random.PRNGKey(EVAL_KEY_SEED) if "rng" in model.reserved.get("forward", ()) else None
+        outputs, _ = call_forward(model, owner, forward, view, split.combine(params), inputs, state, key, False)
+        if loss is None:
+            return outputs, jnp.zeros((), jnp.float32)
+        per = per_example_loss(view, eval_loss, outputs, targets)
+        mask = jnp.arange(per.shape[0]) < n_valid
+        return outputs, jnp.sum(jnp.where(mask, per, 0.0))
+
+    return evaluate
+
+
+def make_metric(view_of, hook):
+    def metric(dev, outputs, fields):
+        return check_metric_result(hook.__name__, hook(view_of(dev), outputs, **fields))
+
+    return metric
+
+
+def make_predict(view_of, forward, model, owner: str = ""):
+    split = model.split
+
+    def predict(params, state, dev, inputs):
+        view = view_of(dev)
+        key = jax.random.PRNGKey(EVAL_KEY_SEED) if "rng" in model.reserved.get("forward", ()) else None
+        return call_forward(model, owner, forward, view, split.combine(params), inputs, state, key, False)[0]
+
+    return predict
+
+
+# ---------------------------------------------------------------- the table of program kinds
+@dataclasses.dataclass(frozen=True, slots=True)
+class Spec:
+    """How one kind of program is keyed and built."""
+
+    kind: str
+    hooks: tuple  # the experiment hooks it traces; a missing optional hook (`loss`) is left out of the key
+    args: tuple  # its argument names, in the key and in miss explanations
+    build: Callable  # `build(binding, model, accum, hook, **fields)` -> the function `jax.jit` traces
+    options: tuple = ()  # the handle settings that shape it: names in `program_key`'s `settings`
+    donate: tuple = ()  # argument numbers whose buffers it reuses for its outputs
+    compiler_options: dict | None = None  # XLA options on top of `_compile.program_options`' policy
+    loops: bool = False  # a recompile with the same hooks is a loop worth a message (the training step)
+
+
+def _build_grad(b, model, accum, hook, *, inputs, targets):
+    """The gradient program, calling its forward through a warmed `_reuse.Forward` when one is keyed
+    alike and still fresh; else traced plainly, with `warm` set for `_compile._build`: once it compiled,
+    a `Forward` is warmed for the next one, when the process is idle."""
+    owner = b.cls.__qualname__
+    key = _reuse.forward_key(b, model, inputs)
+    found = _reuse.lookup(key)
+    gradient = make_gradient(b.view, b.forward, b.loss, inputs, targets, model, accum, owner, reuse=found)
+    if found is None and key is not None and not _reuse.pending(key):
+        # What the warmed forward keeps (past this handle) holds no binding: its splits hold the data.
+        forward = _reuse.Forward(make_training_forward(b.viewer, b.forward, model, owner), b.forward)
+        program = make_gradient(b.view, b.forward, b.loss, inputs, targets, model, accum, owner, reuse=forward,
+                                warming=True)
+        gradient.warm = lambda args: _reuse.schedule(key, forward, program, args)
+    return gradient
+
+
+def _build_opt(b, model, accum, hook, *, halt=True):
+    return make_optimizer(b.view, b.optimizer, model, halt)
+
+
+def _build_eval(b, model, accum, hook, *, inputs, targets):
+    return make_eval(b.view, b.forward, b.loss, inputs, targets, model, b.cls.__qualname__)
+
+
+def _build_metric(b, model, accum, hook):
+    return make_metric(b.view, b.metrics[hook][0])
+
+
+def _build_predict(b, model, accum, hook):
+    return make_predict(b.view, b.forward, model, b.cls.__qualname__)
+
+
+GRAD = Spec("grad", ("forward", "loss"), ("params", "state", "device", "batch", "rng"), _build_grad,
+            options=("accum", "layout", "statics"), loops=True)
+OPT = Spec("opt", ("optimizer",), ("params", "grads", "opt_state", "device", "loss", "guard"), _build_opt,
+           options=("layout", "statics", "on_nonfinite"), donate=(0, 2, 5), compiler_options=OPTIMIZER_OPTIONS,
+           loops=True)
+EVAL = Spec("eval", ("forward", "loss"), ("params", "state", "device", "inputs", "targets", "n_valid"), _build_eval,
+            options=("statics",))
+METRIC = Spec("metric", (), ("device", "outputs", "fields"), _build_metric)  # one per hook: `metric:<hook>`
+PREDICT = Spec("predict", ("forward",), ("params", "state", "device", "inputs"), _build_predict,
+               options=("statics",))
+SPECS = {s.kind: s for s in (GRAD, OPT, EVAL, METRIC, PREDICT)}
+
+
+def program_key(spec: Spec, binding, args: tuple, settings: dict, hook: str | None = None) -> Key:
+    """The cache key of one program, the only place a `Key` is composed.
+
+    **Arguments:**
+    - `spec`: the program's kind, from `SPECS`.
+    - `binding`: the handle's `Binding` (owner, hook fingerprints, GraphConst hash).
+    - `args`: the arguments the program is called with; their signature is part of the key.
+    - `settings`: the handle settings a spec's `options` name (`accum`, `layout`, `statics`).
+    - `hook`: for a per-hook kind (`metric`), the hook it traces.
+
+    **Returns:** the `_cache.Key`.
+    """
+    kind, hooks = (spec.kind, spec.hooks) if hook is None else (f"{spec.kind}:{hook}", (hook,))
+    fps = binding.hook_fps
+    return Key(
+        kind,
+        binding.owner,
+        tuple((h, fps[h]) for h in hooks if h in fps),
+        arg_signature(args, spec.args),
+        binding.graphconst.hash,
+        tuple((o, settings[o]) for o in spec.options),
+    )

@@ -1,0 +1,162 @@
+"""One progress report per `train()` call: one reporter, two front ends.
+
+`Progress` holds what a front end shows (epoch k/K, steps done, loss, step rate, the loss curve at sync
+points, the validation loss per epoch) and is told only at the loop's sync points (about every 0.25 s),
+never per step. The front end is chosen by the message sink: the notebook sink (`_widgets.RichSink`)
+provides one that draws a single updating HTML display; otherwise `TextFront` draws a tqdm bar on a
+terminal's stderr (none when stderr is not a terminal), and the epoch lines are the sink's plain text.
+
+Core code: it imports neither IPython nor ipywidgets. Subscribers of the cache's "progress" event (the
+live panel) read `latest()`.
+"""
+
+import sys
+import time
+
+from .._base import _memo, _report
+from .._base._sharding import is_main_process
+
+
+class TextFront:
+    """The terminal front end: a tqdm bar per epoch on stderr when it is a terminal, nothing otherwise
+    (a script's log keeps only the epoch lines)."""
+
+    def __init__(self, stream=None):
+        self.stream = stream if stream is not None else sys.stderr
+        self.bar = None
+
+    def begin_epoch(self, p: "Progress") -> None:
+        if not getattr(self.stream, "isatty", lambda: False)():
+            return
+        from tqdm import (
+            tqdm,  # on the first bar, not at import: scripts that show none need not pay
+        )
+
+        self.bar = tqdm(total=p.steps, desc=f"epoch {p.epoch}/{p.epochs}", unit="step", leave=False,
+                        file=self.stream, mininterval=0.25)
+
+    def update(self, p: "Progress") -> None:
+        if self.bar is not None:
+            self.bar.n = p.done
+            self.bar.set_postfix(loss=f"{p.loss:.4g}", refresh=False)
+            self.bar.refresh()
+
+    def end_epoch(self, p: "Progress") -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def close(self, p: "Progress") -> None:
+        self.end_epoch(p)
+
+
+class Progress:
+    """The state of one `train()` call, as its front end shows it.
+
+    **Attributes:** `epoch` (1-based, the one running) of `epochs`; `steps` per epoch and `done` of them;
+    `loss` (mean over the last sync window), `rate` (steps per second over it); `train_points` and
+    `valid_points` (`(epoch, loss)`, the chart's data; `train_points` is the handle's whole curve); `status`: "running", "done", or the line that
+    says why it ended early.
+    """
+
+    def __init__(self, n, epochs: int, steps: int, front):
+        self.n, self.epochs, self.steps, self.front = n, epochs, steps, front
+        self.epoch, self.done, self.loss, self.rate = 0, 0, float("nan"), 0.0
+        self.first_epoch = n.epoch  # epochs the handle had trained before this call (the chart's origin)
+        # The handle keeps its curve across calls (what `Nitro.plot()` draws); this call appends to it.
+        self.train_points: list = n._curve
+        self.valid_points: list = []
+        self.records: list = []
+        self.status = "running"
+        self._start_step, self._last = n.step, (n.step, time.perf_counter())
+
+    # -- told by the loop and the handle
+    def begin_epoch(self) -> None:
+        """An epoch's first step has run (its compiles were said above the display)."""
+        self.epoch += 1
+        self.done = 1
+        self._start_step = self.n.step - 1
+        self._last = (self.n.step, time.perf_counter())
+        self.front.begin_epoch(self)
+
+    def sync(self, loss: float) -> None:
+        """A sync point: `loss`, the mean finite loss of the steps since the last one."""
+        now, step = time.perf_counter(), self.n.step
+        last_step, last_t = self._last
+        if now > last_t and step > last_step:
+            self.rate = (step - last_step) / (now - last_t)
+        self._last = (step, now)
+        self.done = step - self._start_step
+        self.loss = float(loss)
+        x = self.first_epoch + self.epoch - 1 + self.done / self.steps
+        self.train_points.append((x, self.loss))
+        self.front.update(self)
+
+    def end_epoch(self, record: dict) -> None:
+        """An epoch ended (validated, when a `valid` split exists): `record` is its row of `n.history`."""
+        self.records.append(record)
+        if isinstance(record.get("valid_loss"), float):
+            self.valid_points.append((float(self.first_epoch + self.epoch), record["valid_loss"]))
+        self.front.end_epoch(self)
+
+    def close(self, error: BaseException | None = None) -> None:
+        """The call ended: normally, or with `error` (an interrupt, a non-finite loss, ...)."""
+        if self.epoch:
+            self.done = min(self.n.step - self._start_step, self.steps)  # steps stored, synced or not
+        if error is None:
+            self.status = "done"
+        elif isinstance(error, KeyboardInterrupt):
+            self.status = (f"training interrupted at epoch {self.epoch}, step {self.done}/{self.steps}; "
+                           f"the handle is usable")
+        else:
+            self.status = f"training stopped at epoch {self.epoch}: {type(error).__name__}: {error}"
+        self.front.close(self)
+
+    # -- what front ends show
+    def line(self) -> str:
+        """The running line: `epoch 2/3 | step 7/10 | loss 0.2134 | 812 steps/s`."""
+        parts = [f"epoch {self.epoch}/{self.epochs}", f"step {self.done}/{self.steps}"]
+        if self.loss == self.loss:
+            parts.append(f"loss {self.loss:.4g}")
+        if self.rate:
+            parts.append(f"{self.rate:,.0f} steps/s")
+        return " | ".join(parts)
+
+
+_latest: Progress | None = None
+
+
+def _forget() -> None:
+    global _latest
+    _latest = None
+
+
+_memo.register(_forget)  # `cache_reset()` forgets it (it holds a handle)
+
+
+def latest() -> Progress | None:
+    """The most recent `train()` call's progress (running or ended), or None."""
+    return _latest
+
+
+class QuietFront:
+    """No front end: a background run draws nothing (the live panel still reads its progress)."""
+
+    def begin_epoch(self, p):
+        pass
+
+    update = end_epoch = close = begin_epoch
+
+
+def start(n, epochs: int, steps: int, quiet: bool = False) -> Progress | None:
+    """The progress of a `train()` call on `n`, with the current sink's front end (none when `quiet`: a
+    background run, and every process but 0 of a `jax.distributed` run), or None when the handle was built
+    with `progress=False`."""
+    global _latest
+    if not n.progress:
+        return None
+    quiet = quiet or not is_main_process()
+    make = None if quiet else getattr(_report.sink(), "progress_front", None)
+    front = QuietFront() if quiet else (make() if make is not None else None)
+    _latest = Progress(n, epochs, steps, front if front is not None else TextFront())
+    return _latest
