@@ -223,6 +223,50 @@ def test_a_schedule_cut_by_an_integer_field_is_refused_at_the_step_it_would_be(s
     assert m.step == 4
 
 
+# ---------------------------------------------------------------- one coercion of a Device value
+# Setup, `n.set`, and a schedule's value at any step go through one coercion (`_checks.device_value`)
+# with one set of rules; two of them used to skip the complex check, and setup took a NaN.
+@pytest.mark.parametrize("origin", ["set", "later schedule step"])
+def test_a_complex_value_for_a_real_device_field_is_refused_wherever_it_comes_from(origin):
+    if origin == "set":
+        n = Nitro(Reg(), data={"train": _data(32)}, batch_size=8, progress=False)
+        with pytest.raises(nitro_ipy.NitroTypeError, match=(
+                r"Device field `lr` would be a complex value \(\(0\.001\+1j\)\); the field is float32: pass a "
+                r"real number")):
+            n.set(lr=1e-3 + 1j)
+        assert n._dev["lr"].dtype == np.float32
+        return
+    n = Nitro(Reg(), data={"train": _data(32)}, batch_size=8, progress=False,
+              schedules={"lr": lambda s: 1e-3 + 1j if s == 2 else 1e-3})
+    with pytest.raises(nitro_ipy.NitroTypeError, match=(
+            r"schedule for Device field `Reg.lr` returned a complex value \(\(0\.001\+1j\)\) at step 2; the "
+            r"field is float32: return a real number")):
+        n.train()
+    assert n.step == 2
+
+
+def test_a_later_schedule_value_of_another_shape_is_refused_with_the_field_s_shape():
+    n = Nitro(Reg(), data={"train": _data(32)}, batch_size=8, progress=False,
+              schedules={"lr": lambda s: [1e-3, 1e-3] if s == 1 else 1e-3})
+    with pytest.raises(nitro_ipy.NitroValueError, match=r"schedule for `lr` returned shape \(2,\) at step 1; the "
+                                                       r"field has shape \(\): return a float32 scalar"):
+        n.train()
+    assert n.step == 1
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), np.array([1.0, np.nan], np.float32)])
+def test_a_non_finite_device_value_is_refused_at_setup(value):
+    @dataclasses.dataclass
+    class Scaled(Reg):
+        scale: Device[float] = 1.0
+
+    with pytest.raises(nitro_ipy.NitroValueError, match=(
+            r"Device field `.*Scaled.scale` would be .*, which is not finite; a non-finite hyperparameter "
+            r"turns every parameter into NaN. Pass a finite value.")):
+        Nitro(Scaled(scale=value), data={"train": _data(16)}, batch_size=8, progress=False)
+    assert nitro_ipy.cache_stats().misses == 0
+
+
 # ---------------------------------------------------------------- GraphConst
 def test_a_nan_graphconst_float_fingerprints_by_content():
     @dataclasses.dataclass

@@ -9,8 +9,6 @@ and `rebuild()` is how an edit gets in.
 import dataclasses
 from typing import Callable
 
-import jax
-import numpy as np
 import optax
 
 from .. import _closure
@@ -25,11 +23,10 @@ from .._base._live import live_class
 from .._base._world import world
 from ._carry import edited_schedules, live_experiment, live_schedules
 from ._checks import (
+    Source,
     check_positional_not_a_field,
-    check_schedule_value,
     check_schedules_arg,
-    check_whole,
-    numeric_array,
+    device_value,
 )
 from ._data import check_splits
 from ._fields import (
@@ -149,28 +146,20 @@ class Binding:
                 f"`def loss(self, outputs, *, y): return scalar`."
             )
 
-    def apply_schedules(self, dev: dict, step: int):
-        """Set each scheduled Device field of `dev` to its value at `step`, in place."""
+    def apply_schedules(self, dev: dict, step: int, *, first: bool = False):
+        """Set each scheduled Device field of `dev` to its value at `step` (`device_value`), in place. A
+        non-finite value is refused here at the first step of a `train()`, before anything compiles; at
+        later steps the guard finds it on the device (`on_nonfinite=` decides)."""
         for name, fn in self.schedules.items():
-            want = self.device_host[name]
-            got = fn(step)
-            value = np.asarray(got, dtype=want.dtype)
-            if want.dtype.kind in "biu":
-                check_whole(self.cls, name, got, value, step)
-            if value.shape != want.shape and value.shape == ():  # a scalar broadcasts, as `n.set` does
-                value = np.array(np.broadcast_to(value, want.shape))
-            if value.shape != want.shape:
-                raise NitroValueError(
-                    f"schedule for `{name}` returned shape {value.shape} at step {step}; the field has "
-                    f"shape {want.shape}."
-                )
-            dev[name] = value
+            source = self.source(name, "schedule", step)
+            dev[name] = device_value(fn(step), self.device_host[name], source, finite=first)
 
     def first_schedules(self, dev: dict, step: int):
-        """`apply_schedules` with each value checked (type, dtype, shape, finite): the first step of a
-        `train()`, before anything compiles. Later steps are checked on device (`_guard`)."""
-        for name, fn in self.schedules.items():
-            dev[name] = check_schedule_value(self.cls, name, fn, step, self.device_host[name])
+        self.apply_schedules(dev, step, first=True)
+
+    def source(self, name: str, origin: str, step: int | None = None) -> Source:
+        """Where a value of Device field `name` comes from, for `device_value`'s words."""
+        return Source(f"`{self.cls.__qualname__}.{name}`" if origin != "set" else f"`{name}`", origin, step)
 
 
 def bind(e, data=None, schedules: dict | None = None) -> Binding:
@@ -260,18 +249,8 @@ def _check_schedules(cls, schedules: dict, device_host: dict):
 
 
 def _device_value(cls, name: str, value):
-    """`value` as the numpy array a Device field is traced as: numeric, canonical dtype, strongly typed."""
-    arr = numeric_array(value)
-    if arr is None:
-        raise NitroTypeError(
-            f"Device field `{cls.__qualname__}.{name}` must hold a number or numeric array; got "
-            f"{type(value).__qualname__} ({short_repr(value)}). Mark it `GraphConst[...]` if it shapes "
-            f"the graph, or `Host[...]` if compiled code does not need it."
-        )
-    dtype = jax.dtypes.canonicalize_dtype(arr.dtype)
-    if isinstance(value, bool):
-        dtype = np.dtype(bool)
-    return np.asarray(arr, dtype)
+    """`value` as the numpy array a Device field is traced as (`device_value` at setup)."""
+    return device_value(value, None, Source(f"`{cls.__qualname__}.{name}`", "field"))
 
 
 def _hook_fingerprint(fn) -> str:

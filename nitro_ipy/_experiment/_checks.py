@@ -6,6 +6,7 @@ One module so every check is found (and extended) in one place: `_binding` calls
 """
 
 import inspect
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -50,49 +51,94 @@ def numeric_array(value) -> np.ndarray | None:
     return arr if kind(arr.dtype) in "biufc" else None
 
 
-def check_schedule_value(cls, name: str, fn, step: int, want: np.ndarray) -> np.ndarray:
-    """The value schedule `fn` gives Device field `name` at `step`, as the field's dtype and shape;
-    refused (naming the field, the value and the fix) unless it is a finite number or array of that
-    shape that converts to the field's dtype without losing its kind (no complex into a float)."""
-    field = f"`{cls.__qualname__}.{name}`"
-    got = fn(step)  # its own exception propagates as it is: the user's traceback says the most
-    arr = numeric_array(got)
-    expect = f"a {want.dtype} {'scalar' if want.shape == () else f'array of shape {want.shape}'}"
+class Source(NamedTuple):
+    """Where a Device value comes from, for the words of a refusal: the field's own value at setup
+    (`Nitro(e)`), `n.set(...)`, or a schedule's value at a step."""
+
+    field: str  # "`Cls.lr`" (or "`lr`" where the user named only the field)
+    origin: str  # "field" | "set" | "schedule"
+    step: int | None = None
+
+    def got(self, value) -> str:
+        if self.origin == "schedule":
+            return f"schedule for Device field {self.field} returned {short_repr(value)} at step {self.step}"
+        return f"Device field {self.field} would be {short_repr(value)}"
+
+
+def device_value(value, want: np.ndarray | None, source: Source, *, finite: bool = True) -> np.ndarray:
+    """`value` as the numpy array Device field `source.field` is traced as; the one coercion of a Device
+    value, whatever gives it (setup, `n.set`, a schedule, a checkpoint's recorded value).
+
+    `want` is the field's current array (its dtype and shape), or None at setup, where the value sets
+    them (numeric, JAX's canonical dtype, a Python bool stays bool). Refused, naming the field, what
+    arrived and the fix: a value that is not a number or numeric array; a complex value for a real field;
+    a non-finite float (it turns every parameter into NaN); another shape than the field's (a scalar
+    broadcasts); a value an integer field would cut. `finite=False` leaves the finiteness to the step
+    guard (`_training/_guard.py`), which checks a schedule's later values on the device, where the
+    handle's `on_nonfinite=` decides what a non-finite value does.
+    """
+    arr = numeric_array(value)
+    schedule = source.origin == "schedule"
     if arr is None:
+        if want is None:
+            raise NitroTypeError(
+                f"Device field {source.field} must hold a number or numeric array; got "
+                f"{type(value).__qualname__} ({short_repr(value)}). Mark it `GraphConst[...]` if it shapes "
+                f"the graph, or `Host[...]` if compiled code does not need it."
+            )
+        expect = f"a {want.dtype} {'scalar' if want.shape == () else f'array of shape {want.shape}'}"
+        if schedule:
+            raise NitroTypeError(
+                f"schedule for Device field {source.field} returned {type(value).__qualname__} "
+                f"({short_repr(value)}) at step {source.step}; it must return {expect}, e.g. "
+                f"`lambda step: 1e-3 * 0.99 ** step`."
+            )
         raise NitroTypeError(
-            f"schedule for Device field {field} returned {type(got).__qualname__} ({short_repr(got)}) at "
-            f"step {step}; it must return {expect}, e.g. `lambda step: 1e-3 * 0.99 ** step`."
+            f"Device field {source.field} holds a {want.dtype} array of shape {want.shape}; got "
+            f"{type(value).__qualname__} ({short_repr(value)})."
         )
+    if want is None:
+        dtype = np.dtype(bool) if isinstance(value, bool) else jax.dtypes.canonicalize_dtype(arr.dtype)
+        want = np.empty(arr.shape, dtype)
     if kind(arr.dtype) == "c" and kind(want.dtype) != "c":
+        what = "returned" if schedule else "would be"
+        at = f" at step {source.step}" if schedule else ""
         raise NitroTypeError(
-            f"schedule for Device field {field} returned a complex value ({short_repr(got)}) at step "
-            f"{step}; the field is {want.dtype}: return a real number (`.real`, `abs(...)`)."
+            f"{'schedule for ' if schedule else ''}Device field {source.field} {what} a complex value "
+            f"({short_repr(value)}){at}; the field is {want.dtype}: "
+            f"{'return' if schedule else 'pass'} a real number (`.real`, `abs(...)`)."
         )
-    if arr.shape != want.shape and arr.shape != ():  # a scalar broadcasts, as `n.set` does
+    if arr.shape != want.shape and arr.shape != ():  # a scalar broadcasts
+        if schedule:
+            expect = f"a {want.dtype} {'scalar' if want.shape == () else f'array of shape {want.shape}'}"
+            raise NitroValueError(
+                f"schedule for `{source.field.strip('`').rsplit('.', 1)[-1]}` returned shape {arr.shape} at "
+                f"step {source.step}; the field has shape {want.shape}: return {expect}."
+            )
         raise NitroValueError(
-            f"schedule for `{name}` returned shape {arr.shape} at step {step}; the field has shape "
-            f"{want.shape}: return {expect}."
+            f"Device field {source.field} has shape {want.shape}; got shape {arr.shape}. A new shape would "
+            f"move the programs' keys: make a new experiment with it instead."
         )
-    if kind(arr.dtype) in "fc" and not np.isfinite(arr).all():
+    if finite and kind(arr.dtype) in "fc" and not np.isfinite(arr).all():
         raise NitroValueError(
-            f"schedule for Device field {field} returned {short_repr(got)} at step {step}, which is not "
-            f"finite; a non-finite hyperparameter turns every parameter into NaN. Return a finite value."
+            f"{source.got(value)}, which is not finite; a non-finite hyperparameter turns every parameter "
+            f"into NaN. {'Return' if schedule else 'Pass'} a finite value."
         )
-    return check_whole(cls, name, got, np.array(np.broadcast_to(np.asarray(arr, want.dtype), want.shape)), step)
-
-
-def check_whole(cls, name: str, got, value: np.ndarray, step: int) -> np.ndarray:
-    """`value` (schedule `name`'s result `got` at `step`, cast to the field's dtype), refused when the
-    field is an integer and the cast cut it: a field made from a whole-number value (`lr=1`) is int32,
-    and `0.05` would train at 0 without a word."""
-    if value.dtype.kind in "biu" and not np.array_equal(value, np.asarray(got)):
+    cast = np.asarray(arr, want.dtype)
+    if want.dtype.kind in "biu" and not np.array_equal(cast, arr):
+        if schedule:
+            raise NitroValueError(
+                f"schedule for Device field {source.field} returned {short_repr(value)} at step "
+                f"{source.step}; the field is {want.dtype} (its value was a whole number), so every step would "
+                f"use {short_repr(cast.tolist())}. Give the field a float value "
+                f"(`{source.field.strip('`').rsplit('.', 1)[-1]}=1.0`, not "
+                f"`{source.field.strip('`').rsplit('.', 1)[-1]}=1`), or return whole numbers."
+            )
         raise NitroValueError(
-            f"schedule for Device field `{cls.__qualname__}.{name}` returned {short_repr(got)} at step {step}; "
-            f"the field is {value.dtype} (its value was a whole number), so every step would use "
-            f"{short_repr(value.tolist())}. Give the field a float value (`{name}=1.0`, not `{name}=1`), "
-            f"or return whole numbers."
+            f"Device field {source.field} is {want.dtype}; {short_repr(value)} would be cut to "
+            f"{short_repr(cast.tolist())}. Pass a whole number."
         )
-    return value
+    return cast if cast.shape == want.shape else np.array(np.broadcast_to(cast, want.shape))
 
 
 # ---------------------------------------------------------------- setup

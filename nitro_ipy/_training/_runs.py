@@ -38,7 +38,7 @@ import numpy as np
 from .._base import _report
 from .._base._errors import HandleBusyError, NitroTypeError, NitroValueError
 from .._compiler import _cache
-from .._experiment._checks import kind, numeric_array
+from .._experiment._checks import device_value
 from .._experiment._fields import field_kinds, short_repr
 from ._loop import InterruptGate
 
@@ -417,31 +417,7 @@ def set_fields(handle, values: dict) -> None:
 
 
 def _coerce(b, name: str, value) -> np.ndarray:
-    want = b.device_host[name]
-    arr = numeric_array(value)
-    if arr is None:
-        raise NitroTypeError(
-            f"Device field `{name}` holds a {want.dtype} array of shape {want.shape}; got "
-            f"{type(value).__qualname__} ({short_repr(value)})."
-        )
-    if kind(arr.dtype) in "fc" and not np.isfinite(arr).all():  # as a schedule's first value is refused
-        raise NitroValueError(
-            f"Device field `{name}` would be {short_repr(value)}, which is not finite; a non-finite "
-            f"hyperparameter turns every parameter into NaN. Pass a finite value."
-        )
-    cast = arr.astype(want.dtype)
-    if want.dtype.kind in "biu" and not np.array_equal(cast, arr):
-        raise NitroValueError(
-            f"Device field `{name}` is {want.dtype}; {short_repr(value)} would be cut to "
-            f"{short_repr(cast.tolist())}. Pass a whole number."
-        )
-    try:
-        return np.array(np.broadcast_to(cast, want.shape))  # a copy, and 0-d stays 0-d
-    except ValueError:
-        raise NitroValueError(
-            f"Device field `{name}` has shape {want.shape}; got shape {arr.shape}. A new shape would move "
-            f"the programs' keys: make a new experiment with it instead."
-        ) from None
+    return device_value(value, b.device_host[name], b.source(name, "set"))
 
 
 # -------------------------------------------------------------------- early stopping
