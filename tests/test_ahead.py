@@ -11,14 +11,15 @@ import types
 
 import numpy as np
 import pytest
+from _cells import TINY_EXPERIMENT
 from flax import nnx
 from IPython.core.interactiveshell import InteractiveShell
 
 import nitro_ipy
-from _cells import TINY_EXPERIMENT
-from nitro_ipy._training import _ahead
+from nitro_ipy._base import _events
 from nitro_ipy._compiler import _cache, _compile
 from nitro_ipy._notebook import _extension
+from nitro_ipy._training import _ahead
 
 EXPERIMENT = TINY_EXPERIMENT + "n = Nitro(Tiny(), data=data, batch_size=16, progress=False)\n"
 EDIT = "def helper(r):\n    return abs(r)\n"
@@ -119,11 +120,11 @@ def test_validation_starts_compiling_while_the_gradient_program_is_in_xla():
                 # The worker takes the job off the queue: at once, or never while this thread compiles.
                 seen.append(_ahead._cv.wait_for(lambda: not _ahead._queue, 20))
 
-    _compile.XLA_STARTS.append(grad_in_xla)
+    _unsub_xla = _events.subscribe("xla_start", grad_in_xla)
     try:
         n.train()
     finally:
-        _compile.XLA_STARTS.remove(grad_in_xla)
+        _unsub_xla()
     assert seen == [True]
     assert _ahead.wait(60)
     assert _outcomes() == [("eval", "compiled")]  # the worker made it, beside the gradient program's XLA
@@ -159,11 +160,11 @@ def test_a_fresh_run_compiles_its_device_metrics_beside_the_first_epoch(capsys):
             waited.append(_ahead.wait(60))
 
     capsys.readouterr()
-    _compile.XLA_STARTS.append(let_the_worker_finish)
+    _unsub_xla = _events.subscribe("xla_start", let_the_worker_finish)
     try:
         rows = n.train()
     finally:
-        _compile.XLA_STARTS.remove(let_the_worker_finish)
+        _unsub_xla()
     assert waited == [True]
     assert _outcomes() == [("eval", "compiled")] + [("metric:mae", "compiled"), ("metric:worst", "compiled")] * 2
     assert _stats() == (7, 7)  # grad, opt, eval, 2 metrics x 2 lengths: validation compiled nothing more
@@ -298,12 +299,12 @@ def test_an_edits_programs_compile_side_by_side(ip, capsys):
                 eval_running = lambda: any(j.key.kind == "eval" for j in _ahead._busy.values())  # noqa: E731
                 seen.append(_ahead._cv.wait_for(eval_running, 20))
 
-    _compile.XLA_STARTS.append(in_xla)
+    _unsub_xla = _events.subscribe("xla_start", in_xla)
     try:
         _run(ip, EDIT)
         assert _ahead.wait(60)
     finally:
-        _compile.XLA_STARTS.remove(in_xla)
+        _unsub_xla()
     assert seen == [(False, True), True]
     assert _outcomes() == [("grad", "compiled"), ("eval", "compiled")]  # in the order they started
     assert len({t.name for t in _ahead._workers}) == _ahead.WORKERS == 2
@@ -364,7 +365,7 @@ def test_a_rebuild_lets_a_held_back_compile_go_on(ip, capsys):
             _ahead.stepping(True)  # what `_pipeline` says after a loop's first step
             held.append(True)
 
-    _compile.XLA_STARTS.insert(0, loop_starts)
+    _unsub_xla = _events.subscribe("xla_start", loop_starts, first=True)
     try:
         _run(ip, EDIT)
         for _ in range(200):  # until the worker holds the grad program at its XLA compile
@@ -375,7 +376,7 @@ def test_a_rebuild_lets_a_held_back_compile_go_on(ip, capsys):
         assert held == [True] and _outcomes() == []  # held: nothing finished
         _run(ip, "n = n.rebuild(); rows = n.train()")  # waits for the held grad program: it goes on
     finally:
-        _compile.XLA_STARTS.remove(loop_starts)
+        _unsub_xla()
         if held:
             _ahead.stepping(False)
     assert _ahead.wait(60)

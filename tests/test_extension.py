@@ -11,14 +11,14 @@ import sys
 import threading
 
 import pytest
+from _cells import TINY_EXPERIMENT
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 import nitro_ipy
-from _cells import TINY_EXPERIMENT
+from nitro_ipy._base import _events, _report, _world
 from nitro_ipy._compiler import _cache
 from nitro_ipy._notebook import _extension, _magics
-from nitro_ipy._base import _report, _world
 
 EXPERIMENT = TINY_EXPERIMENT + "n = Nitro(Tiny(), data=data, batch_size=16, progress=False)\n"
 EDIT = "def helper(r):\n    return abs(r)\n"
@@ -488,7 +488,7 @@ def test_missing_ipywidgets_degrades_to_text_with_one_hint(shell, monkeypatch, c
     _widget_kernel(monkeypatch)
     monkeypatch.setitem(sys.modules, "ipywidgets", None)  # `import ipywidgets` raises ImportError
     monkeypatch.delitem(sys.modules, "nitro_ipy._notebook._widgets", raising=False)
-    monkeypatch.delattr(nitro_ipy, "_widgets", raising=False)
+    monkeypatch.delattr(nitro_ipy._notebook, "_widgets", raising=False)
     monkeypatch.setattr(_magics.NitroMagics, "hinted", False)
     shell.run_line_magic("load_ext", "nitro_ipy")
     shell.run_line_magic("reload_ext", "nitro_ipy")
@@ -539,8 +539,8 @@ def test_panel_shows_the_cache_and_the_latest_compile(trained, monkeypatch):
         assert panel.text() == "nitro_ipy panel: hits 0 | misses 0 | entries 0 | poisoned 0 | latest compile: none yet"
     finally:
         panel.detach()
-    assert panel.on_compile not in _cache.subscribers("compile") and panel.on_reset not in _cache.subscribers("reset")
-    assert panel.on_progress not in _cache.subscribers("progress") and panel.on_run not in _cache.subscribers("run")
+    assert panel.on_compile not in _events.subscribers("compile") and panel.on_reset not in _events.subscribers("reset")
+    assert panel.on_progress not in _events.subscribers("progress") and panel.on_run not in _events.subscribers("run")
 
 
 def test_panel_draws_the_loss_chart_of_the_running_train(trained, monkeypatch):
@@ -572,7 +572,7 @@ def test_panel_updates_are_throttled_and_flushed(trained):
         _shown(panel)
         panel._last = __import__("time").monotonic()
         _captured(_run, trained, EDIT + "n = n.rebuild(); n.train()")
-        for fn in _cache.subscribers("progress"):
+        for fn in _events.subscribers("progress"):
             fn()  # what the handle's step loop calls at its sync points
         assert panel.refreshes == 0 and panel._dirty
         outputs = _captured(panel.flush)
@@ -620,11 +620,11 @@ def test_nitro_panel_in_a_widget_kernel(shell, monkeypatch, capsys):
     shell.run_line_magic("nitro_panel", "")
     shell.run_line_magic("nitro_panel", "")  # shown twice: one panel, two places
     panel = _extension.loaded_magics(shell).panel
-    assert _report.sink().panel is panel and panel.on_compile in _cache.subscribers("compile")
+    assert _report.sink().panel is panel and panel.on_compile in _events.subscribers("compile")
     assert len(panel._displays) == 2
     assert capsys.readouterr().out.splitlines() == [panel.text(), "latest compile: none yet", ""] * 2
     shell.run_line_magic("unload_ext", "nitro_ipy")
-    assert panel.on_compile not in _cache.subscribers("compile") and panel.on_progress not in _cache.subscribers("progress")
+    assert panel.on_compile not in _events.subscribers("compile") and panel.on_progress not in _events.subscribers("progress")
 
 
 def test_panel_recompile_loop_turns_it_warning():
@@ -662,7 +662,7 @@ def test_panel_stop_button_stops_a_background_run_and_ends_as_html():
         _shown(panel)
         run = _Run()
         stop_id = panel._displays[0][2].display_id
-        (shown,) = [o for o in _captured(_cache.publish, "run", run)  # the runs side publishes its run at start
+        (shown,) = [o for o in _captured(_events.publish, "run", run)  # the runs side publishes its run at start
                     if o.transient["display_id"] == stop_id]
         assert "background run active" in panel.outputs()[0].html
         assert panel.stop_button.widget.description == "Stop"
@@ -677,7 +677,7 @@ def test_panel_stop_button_stops_a_background_run_and_ends_as_html():
         assert panel.stop_button.widget.comm is None
         # An unclicked button of a run that ended is retired with the run's summary.
         other = _Run()
-        _captured(_cache.publish, "run", other)
+        _captured(_events.publish, "run", other)
         other.done = True
         (retired,) = [o for o in _captured(panel.refresh, True) if "background run" in o.data["text/plain"]]
         assert retired.data["text/plain"] == "background run ended: stopped at epoch 1"

@@ -9,8 +9,8 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import textwrap
+import threading
 import weakref
 from pathlib import Path
 
@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _experiments import Reg  # the tiny regression most tests train, and its data
+from _experiments import data as _data
 
 import nitro_ipy
 from nitro_ipy import Device, Nitro
-
-from _experiments import Reg, data as _data  # the tiny regression most tests train, and its data
 
 ROOT = Path(__file__).resolve().parents[1]
 INTERRUPTED = "training interrupted at epoch {}, step {}/{}; the handle is usable"
@@ -208,7 +208,7 @@ def test_worker_messages_are_kept_on_the_run_and_shown_by_wait(capsys):
 
 def test_run_events_for_front_ends():
     seen = []
-    unsubscribe = nitro_ipy._compiler._cache.subscribe("run", lambda run: seen.append((run.done, threading.current_thread().name)))
+    unsubscribe = nitro_ipy._base._events.subscribe("run", lambda run: seen.append((run.done, threading.current_thread().name)))
     try:
         run = _handle(max_epochs=1).train(background=True)
         run.wait()

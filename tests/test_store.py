@@ -20,9 +20,9 @@ import pytest
 
 import nitro_ipy
 from nitro_ipy import Device, GraphConst, Nitro
-from nitro_ipy._training import _ahead
-from nitro_ipy._base import _report
+from nitro_ipy._base import _events, _report
 from nitro_ipy._compiler import _stats, _store
+from nitro_ipy._training import _ahead
 
 
 @pytest.fixture
@@ -136,15 +136,17 @@ def test_after_a_restart_the_metrics_load_in_the_background_after_the_evaluation
         nitro_ipy.cache_reset()
         _ahead.reset()
         messages.clear()
-        waited, stepping = [], _ahead.stepping
+        waited = []
 
         def first_step_waits(running):  # the first step is done: let the background finish before step 2
-            stepping(running)
             if running and not waited:
                 waited.append(_ahead.wait(60))
 
-        monkeypatch.setattr(_ahead, "stepping", first_step_waits)
-        second = run()
+        unsubscribe = _events.subscribe("stepping", first_step_waits)  # after `_ahead`'s own subscriber
+        try:
+            second = run()
+        finally:
+            unsubscribe()
     finally:
         _ahead.set_compile_ahead(previous)
     assert waited == [True]

@@ -3,7 +3,7 @@
 Its surface for the rest of the package (the handle, the Jupyter side, the benchmarks): `Key`, `ArgSig`,
 `arg_signature`, `Entry`; `cache_stats`, `cache_reset`, `generation`; `live_entries`, `poisoned_entries`,
 `lookup`, `count_hit`, `store`, `discard`, `poison`, `revive`; `ensure_fresh`, `scanned_world`; and
-`subscribe` / `publish` for the events front ends follow. How a program is compiled is `_compile.py`;
+the events it publishes go through `_base/_events.py`. How a program is compiled is `_compile.py`;
 why a key missed is `_explain.py`.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import numpy as np
 
-from .._base import _memo, _report
+from .._base import _events, _memo, _report
 from .._base._compat import evict_traces
 from .._base._origin import is_user_file
 from .._base._report import Kind
@@ -42,6 +42,13 @@ class ArgSig(NamedTuple):
     sharding: str | None
 
 
+class ArgsKey(NamedTuple):
+    """The `args` component of a key: the arguments' tree structure and one `ArgSig` per traced leaf."""
+
+    tree: str  # the treedef's repr
+    sigs: tuple  # (ArgSig, ...)
+
+
 @dataclasses.dataclass(frozen=True)
 class Key:
     """A program's compile key. Every component earns its place (see docs/recompilation.md)."""
@@ -49,9 +56,13 @@ class Key:
     kind: str  # "grad", "opt", "eval", "metric:<hook>", "predict"
     owner: str  # the experiment type's qualified name
     hooks: tuple  # ((hook name, code fingerprint), ...) of the hooks the program traces
-    args: tuple  # (treedef repr, (ArgSig, ...)) of the traced arguments
+    args: ArgsKey  # structure, shapes, dtypes, weak types and shardings of the traced arguments
     graphconst: str  # graphconst_field_hash(e)
     options: tuple  # ((name, value), ...) trace-time options that change the graph (accum, layout)
+
+    def __post_init__(self):
+        if type(self.args) is tuple and len(self.args) == 2:  # a plain pair (a key read back from the store)
+            object.__setattr__(self, "args", ArgsKey(*self.args))
 
 
 def shapes_of(tree):
@@ -70,7 +81,7 @@ def _shape_of(x):
     return x
 
 
-def arg_signature(args: tuple, names: tuple = ()) -> tuple:
+def arg_signature(args: tuple, names: tuple = ()) -> ArgsKey:
     """The `args` key component: tree structure plus shape, dtype, weak type and sharding of each leaf.
 
     `names` label the positional arguments in explanations (`params['w1']` rather than `[0]['w1']`).
@@ -95,7 +106,7 @@ def arg_signature(args: tuple, names: tuple = ()) -> tuple:
                 _sharding_of(getattr(leaf, "sharding", None)),
             )
         )
-    return (tree, tuple(sigs))
+    return ArgsKey(tree, tuple(sigs))
 
 
 # Memos for `arg_signature`, bounded: a session sees a handful of argument structures, dtypes and
@@ -175,7 +186,7 @@ class Entry:
         return tuple(name for name, _ in self.key.hooks)
 
     def shapes(self) -> str:
-        return ", ".join(f"{s.path or 'arg'}{list(s.shape)}" for s in self.key.args[1] if s.shape)
+        return ", ".join(f"{s.path or 'arg'}{list(s.shape)}" for s in self.key.args.sigs if s.shape)
 
 
 class Held:
@@ -255,46 +266,12 @@ def cache_reset() -> None:
         # weakly), so such a handle can still learn that one went stale.
         for entry in (*old.entries.values(), *old.orphans.alive()):
             _state.orphans.add(entry)
-    publish("reset")
+    _events.publish("reset")
 
 
 def generation() -> int:
     """How many times the cache was reset: a front end that saw generation g has seen every entry since."""
     return _state.generation
-
-
-# ---------------------------------------------------------------- events, for front ends
-# "compile" (entry): a program was stored; "reset" (): `cache_reset()` ran; "progress" (): a training
-# handle reached one of its periodic sync points (about every 0.25 s, never per step); "run" (run): a
-# background run (`_runs.Run`) started or ended (`run.done` tells which), published from the thread
-# that started or ran it, so a subscriber only sets flags; the live panel shows its Stop button, calling `run.stop()`.
-EVENTS = ("compile", "reset", "progress", "run")
-_subscribers: dict[str, list[Callable]] = {event: [] for event in EVENTS}
-
-
-def subscribe(event: str, fn: Callable) -> Callable[[], None]:
-    """Call `fn` on `event` (one of `EVENTS`); returns the function that unsubscribes it again."""
-    subscribers = _subscribers[event]
-    subscribers.append(fn)
-
-    def unsubscribe():
-        if fn in subscribers:
-            subscribers.remove(fn)
-
-    return unsubscribe
-
-
-def subscribers(event: str) -> tuple:
-    return tuple(_subscribers[event])
-
-
-def publish(event: str, *args) -> None:
-    """Call `event`'s subscribers; one that raises never breaks training or a compile."""
-    for fn in _subscribers[event]:
-        try:
-            fn(*args)
-        except Exception:
-            pass
 
 
 # ---------------------------------------------------------------- entries
@@ -346,10 +323,6 @@ class Claim:
         self.awaited = False  # another thread waits for it (a compile ahead held back then goes on)
 
 
-# Called (no arguments) when a thread starts waiting for a key another thread compiles (`_ahead`).
-AWAITING: list = []
-
-
 def claim(key: Key) -> tuple[Entry | None, Claim | None]:
     """Single-flight compiling: `(entry, None)` when `key` is live (counted as a hit), or was compiled
     by another thread while this one waited for it (the same); else `(None, claim)`: compile it, then
@@ -365,8 +338,7 @@ def claim(key: Key) -> tuple[Entry | None, Claim | None]:
                 pending = _state.compiling[key] = Claim(key, _state)
                 return None, pending
             pending.awaited = True
-        for waiting in AWAITING:
-            waiting()
+        _events.publish("awaiting")
         pending.done.wait()
         if pending.error is not None:
             raise pending.error  # the same code failed the same way in the thread that compiled it
@@ -389,7 +361,7 @@ def store(entry: Entry, claimed: Claim | None = None) -> None:
             state.compiling.pop(claimed.key, None)
             claimed.entry = entry
             claimed.done.set()
-    publish("compile", entry)
+    _events.publish("compile", entry)
 
 
 def awaited(key: Key) -> bool:

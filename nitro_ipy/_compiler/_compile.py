@@ -15,7 +15,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from .._base import _report
+from .._base import _events, _report
 from .._base._compat import (
     FUSION_EMITTERS_OPTION,
     OPTIMIZATION_LEVEL_OPTION,
@@ -69,7 +69,6 @@ LEVEL = {OPTIMIZATION_LEVEL_OPTION: 2}
 
 # Called (no arguments) as a build's XLA compile starts, in the building thread: the XLA compile releases
 # the GIL and leaves part of the CPU idle, so `_ahead` starts its next job then (`_ahead._xla_started`).
-XLA_STARTS: list = []
 
 
 def compile_program(
@@ -286,8 +285,7 @@ def _trace_and_compile(key, fn, args, donate_argnums, info, record, compiler_opt
     if unstorable is not None:
         _store.fallback(key, unstorable)
     t1 = time.perf_counter()
-    for started in XLA_STARTS:  # `_ahead`: its next job may trace now, while XLA holds no GIL
-        started()
+    _events.signal("xla_start")  # `_ahead`: its next job may trace now, while XLA holds no GIL
     # A program the store holds stays out of JAX's cache; one JAX's cache serves cannot be stored.
     with own_compile(write_jax_cache=not on or unstorable is not None) as served:
         compiled, used = xla_compile(lowered, program_options(traced.jaxpr, compiler_options))

@@ -7,6 +7,8 @@ component did not move. An explanation is composed of the lines of every differ 
 
 from typing import Iterable
 
+from ._cache import ArgsKey
+
 
 def explain_miss(key, info: dict, candidates: Iterable) -> str | None:
     """Why `key` missed, next to the most similar of `candidates` (entries, live or poisoned) of the same
@@ -64,13 +66,13 @@ _LEAF_FIELDS = (("shape", "shape"), ("dtype", "dtype"), ("weak", "weak_type"), (
 
 
 def diff_args(old, new) -> list[str]:
-    """The `args` component, `(treedef repr, (ArgSig, ...))`: the structure if it moved, else each leaf's
-    shape, dtype, weak type and sharding that moved."""
-    (old_tree, old_sigs), (new_tree, new_sigs) = old, new
-    if old_tree != new_tree:
-        return [f"argument structure: {_short(old_tree)} -> {_short(new_tree)}"]
+    """The `args` component (`_cache.ArgsKey`): the structure if it moved, else each leaf's shape, dtype,
+    weak type and sharding that moved."""
+    old, new = ArgsKey(*old), ArgsKey(*new)
+    if old.tree != new.tree:
+        return [f"argument structure: {_short(old.tree)} -> {_short(new.tree)}"]
     out = []
-    for a, b in zip(old_sigs, new_sigs):
+    for a, b in zip(old.sigs, new.sigs):
         for field, label in _LEAF_FIELDS:
             x, y = getattr(a, field), getattr(b, field)
             if x != y:

@@ -135,7 +135,7 @@ def compact_shapes(entry) -> str:
     """`entry.shapes()` for a terminal: parameters, gradients and optimizer state summarized by their
     array count, so the batch shapes (what usually moves a key) stay in view."""
     groups: dict = {}
-    for sig in entry.key.args[1]:
+    for sig in entry.key.args.sigs:
         groups.setdefault((sig.path or "arg").split("[")[0], []).append(sig)
     parts = []
     for name, sigs in groups.items():
@@ -161,7 +161,7 @@ def summarise_inputs(entry) -> str:
 
     `parameters 16 float32 (v, w); batch x [16, 3], y [16]`"""
     groups: dict = {}
-    for sig in entry.key.args[1]:
+    for sig in entry.key.args.sigs:
         groups.setdefault((sig.path or "arg").split("[")[0].split(".")[0], []).append(sig)
     parts = []
     for name, sigs in groups.items():

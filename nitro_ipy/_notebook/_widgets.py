@@ -23,7 +23,7 @@ import weakref
 import ipywidgets as widgets
 from IPython.display import display
 
-from .._base import _html, _report
+from .._base import _events, _html, _report
 from .._base._report import Kind
 from .._compiler import _cache
 from .._training import _progress
@@ -429,10 +429,10 @@ class Panel:
     def attach(self) -> None:
         """Subscribe to the cache's events (idempotent)."""
         if not self._unsubscribe:
-            self._unsubscribe = [_cache.subscribe("compile", self.on_compile),
-                                 _cache.subscribe("reset", self.on_reset),
-                                 _cache.subscribe("progress", self.on_progress),
-                                 _cache.subscribe("run", self.on_run)]
+            self._unsubscribe = [_events.subscribe("compile", self.on_compile),
+                                 _events.subscribe("reset", self.on_reset),
+                                 _events.subscribe("progress", self.on_progress),
+                                 _events.subscribe("run", self.on_run)]
 
     def detach(self) -> None:
         """Unsubscribe from the cache: the panel stops updating (its outputs stay as they are)."""

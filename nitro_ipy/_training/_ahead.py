@@ -18,7 +18,7 @@ class), their replacements compile in the background, under the keys a rebuilt h
   (where its compile line would have been), in that handle's thread. A compile that raised leaves the key
   unclaimed, so the rebuild compiles it in the foreground and raises there, with the user's traceback.
 - `prefetch_eval`: a training handle's evaluation forward compiles while its first epoch runs: from the
-  moment its first step's XLA compile starts (`_compile.XLA_STARTS`), or from its first step on when
+  moment its first step's XLA compile starts (the `xla_start` event), or from its first step on when
   nothing compiles (`_pipeline` reports it through `stepping`); its device metrics' programs follow
   (`metric_jobs`, shaped from the evaluation program's outputs).
 
@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 from .. import _closure
-from .._base import _memo, _report, _sharding, _world
+from .._base import _events, _memo, _report, _sharding, _world
 from .._base._compat import compiled_out_avals
 from .._base._live import live_class, live_value
 from .._compiler import _cache, _compile, _reuse
@@ -188,8 +188,9 @@ def _awaiting() -> None:
         _cv.notify_all()
 
 
-_compile.XLA_STARTS.append(_xla_started)
-_cache.AWAITING.append(_awaiting)
+_events.subscribe("xla_start", _xla_started)
+_events.subscribe("awaiting", _awaiting)
+_events.subscribe("stepping", stepping)
 
 
 def _quiet_now() -> bool:

@@ -47,8 +47,6 @@ from .._experiment._optimizer import AT_REBUILD, check_setup, init_optimizer
 from . import _ahead, _checkpoint, _loop, _progress, _runs
 from ._programs import EVAL, GRAD, METRIC, OPT, PREDICT, make_predict, program_key
 
-_strong = strong  # the name benchmarks/profile_handle.py imports
-
 
 class Nitro:
     """A training handle on experiment `e`. Construction runs setup only; programs compile on first use.
@@ -173,17 +171,17 @@ class Nitro:
         on_mesh = place.mesh is not None  # a mesh's placement makes leaves strong itself, with no host copy
         dynamic = split.dynamic(params)
         # The dynamic tree (static leaves are None, so a `param_sharding` rule never sees them) is placed.
-        self._params = place.params(jax.tree.map(_strong, dynamic) if opt_state is None and not on_mesh else dynamic)
+        self._params = place.params(jax.tree.map(strong, dynamic) if opt_state is None and not on_mesh else dynamic)
         place.check_layout(self.flat_params)
         if state is not None:
-            state = place.state(state) if on_mesh else jax.tree.map(_strong, state)
+            state = place.state(state) if on_mesh else jax.tree.map(strong, state)
         self._model_state = state
         trainable = split.trainable(self._params)
         self._layout = (FlatLayout if self.flat_params else TreeLayout)(trainable)
         self._model = Model(split, self._layout, b.has_state, b.reserved)
         if opt_state is None:
             opt_state = init_optimizer(b, self._layout, trainable, self._dev)
-            opt_state = place.opt_state(opt_state) if on_mesh else jax.tree.map(_strong, opt_state)
+            opt_state = place.opt_state(opt_state) if on_mesh else jax.tree.map(strong, opt_state)
         else:
             opt_state = place.opt_state(opt_state)
         self._opt_state = opt_state

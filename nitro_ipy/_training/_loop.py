@@ -20,6 +20,7 @@ import weakref
 
 import jax
 
+from .._base import _events
 from .._base._compat import compiled_in_avals, compiled_out_avals
 from .._base._errors import NonFiniteLossError
 from .._compiler import _cache
@@ -153,7 +154,7 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
                     seen, guard = check_losses(n, seen, bar, step0, split, fields)
                     count_reuse(grad, opt, reused)
                     reused = 0
-                    _cache.publish("progress")  # the live panel, never per step
+                    _events.publish("progress")  # the live panel, never per step
                     next_sync = perf_counter() + _SYNC_SECONDS
                 gate.defer = False
             if gate.pending and gate.cuts_epoch():

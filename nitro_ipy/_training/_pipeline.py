@@ -14,8 +14,8 @@ edit waits while any step loop runs.
 import jax
 import numpy as np
 
+from .._base import _events
 from .._experiment._data import split_len
-from . import _ahead
 
 
 def train_batches(split: dict, fields, batch_size: int, accum: int, epoch_seed, start: int = 0):
@@ -42,7 +42,7 @@ def train_batches(split: dict, fields, batch_size: int, accum: int, epoch_seed, 
         if jax.default_backend() == "cpu":  # numpy views, converted by the program call itself
             for s in range(start, steps):
                 if s == start + 1:
-                    _ahead.stepping(True)  # the first step (and its compiles) is done
+                    _events.publish("stepping", True)  # the first step (and its compiles) is done
                     stepping = True
                 yield dict(zip(fields, [v[s] for v in views]))
             return
@@ -52,9 +52,9 @@ def train_batches(split: dict, fields, batch_size: int, accum: int, epoch_seed, 
             if s + 1 < steps:  # the next batch's transfer starts before this step is dispatched
                 ahead = jax.device_put(at(s + 1))
             if s == start + 1:
-                _ahead.stepping(True)
+                _events.publish("stepping", True)
                 stepping = True
             yield batch
     finally:
         if stepping:
-            _ahead.stepping(False)
+            _events.publish("stepping", False)

@@ -4,7 +4,7 @@ early stopping (`stop_when=`), and `n.history` as a table.
 
 **The run interface front ends use** (the live panel's Stop button, a status line), kept small:
 
-- `_cache.subscribe("run", fn)`: `fn(run)` is called when a background run starts (from the thread that
+- `_events.subscribe("run", fn)`: `fn(run)` is called when a background run starts (from the thread that
   called `train(background=True)`) and when it ends (from its worker thread; `run.done` is True then).
   A subscriber only sets flags or reads state: it never touches a widget from there.
 - `run.stop(reason=...)`: asks the run to stop at its next step boundary; returns at once.
@@ -35,9 +35,8 @@ import weakref
 import jax
 import numpy as np
 
-from .._base import _report
+from .._base import _events, _report
 from .._base._errors import HandleBusyError, NitroTypeError, NitroValueError
-from .._compiler import _cache
 from .._experiment._checks import device_value
 from .._experiment._fields import field_kinds, short_repr
 from ._loop import InterruptGate
@@ -146,12 +145,12 @@ class Run:
         self.handle._run = self
         _live.add(self)
         _workers.submit(f"nitro_ipy run ({self._name()})", self._main, self._released)
-        _cache.publish("run", self)
+        _events.publish("run", self)
         return self
 
     def _main(self):
         self._thread = threading.current_thread()  # before anything it runs asks (`_on_compile`)
-        unsubscribe = _cache.subscribe("compile", self._on_compile)
+        unsubscribe = _events.subscribe("compile", self._on_compile)
         try:
             with _report.thread_sink(self.messages.append):
                 self._result = self._work()
@@ -169,7 +168,7 @@ class Run:
             self._work = None
             self.ended = time.time()
             self._done.set()
-            _cache.publish("run", self)
+            _events.publish("run", self)
 
     def _on_compile(self, entry):
         # A program this run compiles late (validation's, after epoch 1) traces the code as it is then: if

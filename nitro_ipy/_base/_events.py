@@ -1,0 +1,68 @@
+"""The process's one event bus: what happened, told to whoever asked, without the teller knowing who.
+
+The cache, the compiler, the step loop and background runs publish here; compile ahead, the live panel
+and background runs subscribe. Each event's arguments are fixed (`EVENTS`). Two ways to tell:
+
+- `publish(event, *args)`: news. A subscriber that raises never breaks training or a compile; front ends
+  (the panel) only set flags here, since the publisher may be any thread.
+- `signal(event, *args)`: coordination inside the package, where a subscriber may stop the publisher on
+  purpose (compile ahead raises `Cancelled` into a held-back build whose edit was superseded).
+
+Subscribers are held in tuples replaced under a lock, so publishing takes no lock and a subscriber may
+unsubscribe itself while being called.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+EVENTS = {
+    "compile": "(entry): a program was stored in the cache",
+    "reset": "(): `cache_reset()` ran",
+    "awaiting": "(): a thread waits for a key another thread is compiling",
+    "xla_start": "(): a build's trace is done and its XLA compile starts (no GIL held from here)",
+    "stepping": "(running: bool): a step loop passed its first step (True), or that loop ended (False)",
+    "progress": "(): a training handle reached a periodic sync point (about every 0.25 s, never per step)",
+    "run": "(run): a background run (`Run`) started or ended (`run.done` tells which)",
+}
+
+_lock = threading.Lock()
+_subscribers: dict[str, tuple[Callable, ...]] = {event: () for event in EVENTS}
+
+
+def subscribe(event: str, fn: Callable, *, first: bool = False) -> Callable[[], None]:
+    """Call `fn(*args)` on every `event` (one of `EVENTS`), after those subscribed before it (`first`:
+    before them). Returns the function that unsubscribes it again."""
+    if event not in EVENTS:
+        raise KeyError(f"unknown event {event!r}; the events are {', '.join(EVENTS)}")
+    with _lock:
+        _subscribers[event] = (fn, *_subscribers[event]) if first else (*_subscribers[event], fn)
+
+    def unsubscribe():
+        with _lock:
+            subs = list(_subscribers[event])
+            if fn in subs:
+                subs.remove(fn)
+                _subscribers[event] = tuple(subs)
+
+    return unsubscribe
+
+
+def subscribers(event: str) -> tuple:
+    return _subscribers[event]
+
+
+def publish(event: str, *args) -> None:
+    """Tell `event`'s subscribers; one that raises is skipped, never breaking the publisher."""
+    for fn in _subscribers[event]:
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - news: a front end's fault must not stop training
+            pass
+
+
+def signal(event: str, *args) -> None:
+    """Tell `event`'s subscribers; an exception a subscriber raises reaches the publisher."""
+    for fn in _subscribers[event]:
+        fn(*args)
