@@ -150,3 +150,41 @@ def test_the_package_folder_covers_every_subpackage():
     finally:
         probe.unlink()
     assert _store._package_fingerprint() == before
+
+
+def _handle_private_names() -> set:
+    """The private attributes `Nitro` sets on itself (`self._x = ...` anywhere in its class)."""
+    tree = ast.parse((ROOT / "_training" / "_handle.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Nitro"]
+    names = set()
+    for node in ast.walk(cls):
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        for t in targets:
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self" \
+                    and t.attr.startswith("_") and not t.attr.startswith("__"):
+                names.add(t.attr)
+    return names
+
+
+def _private_reads(path: pathlib.Path, names: set) -> list:
+    """`x._name` in `path` for a handle's private `_name`, on anything but `self`."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                out.append(f"{path.name}:{node.lineno} .{node.attr}")
+    return out
+
+
+def test_no_module_outside_the_handle_s_package_reads_a_handle_s_private_attribute():
+    names = _handle_private_names()
+    assert {"_params", "_opt_state", "_binding"} <= names  # the check reads the real class
+    reads = [r for path in sorted(ROOT.rglob("*.py")) if "_training" not in path.parts
+             for r in _private_reads(path, names)]
+    assert reads == []
+
+
+def test_the_private_attribute_check_sees_a_read(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f(n, self):\n    self._params = 1\n    return n._params, n.params\n")
+    assert _private_reads(probe, {"_params"}) == ["probe.py:3 ._params"]
