@@ -44,11 +44,10 @@ class Untrusted(Exception):
 
     def __init__(self, root: str, path: str, problem: str, fix: str):
         self.root, self.path, self.problem, self.fix = root, path, problem, fix
-        where = f"`{path}`" if path == root else f"`{path}` (in it)" if path.startswith(root + os.sep) else f"`{path}`"
         super().__init__(
-            f"nitro_ipy: refusing the program store `{root}`: {where if path != root else 'it'} {problem}, and a "
-            f"stored program is code this process runs (the store must be private to you); it is off for this "
-            f"process, programs compile as usual. Fix: {fix}."
+            f"nitro_ipy: refusing the program store `{root}`: {'it' if path == root else f'`{path}`'} {problem}, "
+            f"and a stored program is code this process runs; the store is off for this process, programs "
+            f"compile as usual. Fix: {fix}."
         )
 
 
@@ -371,7 +370,37 @@ def _aux_record(value):
         if value in _AUX_TYPES.values():
             return {"b": value.__name__}
         return {"n": _type_name(value)}
+    named = _constant_name(value)
+    if named is not None:
+        return {"o": named}
     raise Unrecordable(f"its tree carries a {type(value).__name__} in a node's aux data")
+
+
+def _constant_name(value) -> str | None:
+    """`module:name` of a constant its type's module defines (a sentinel such as Equinox's `MISSING`, an
+    enum member): found by identity, and only an object nothing can call."""
+    if callable(value):
+        return None
+    module = getattr(type(value), "__module__", None)
+    ns = getattr(sys.modules.get(module), "__dict__", None) if isinstance(module, str) else None
+    if not isinstance(ns, Mapping):
+        return None
+    for name, obj in list(ns.items()):
+        if obj is value:
+            return f"{module}:{name}"
+    if isinstance(getattr(value, "name", None), str):  # an enum member: its class's attribute
+        qual = f"{type(value).__qualname__}.{value.name}"
+        if _lookup(module, qual) is value:
+            return f"{module}:{qual}"
+    return None
+
+
+def _constant(ref: str):
+    module, _, qual = ref.partition(":")
+    obj = _lookup(module, qual) if qual else None
+    if obj is None or callable(obj) or isinstance(obj, type) or type(obj).__module__ != module:
+        raise Refused(f"names `{ref.replace(':', '.')}` in a tree, which is not a constant of its module")
+    return obj
 
 
 def _aux_value(rec):
@@ -389,6 +418,8 @@ def _aux_value(rec):
             return _AUX_TYPES[v]
         if tag == "n" and isinstance(v, str):
             return _node_type(v)
+        if tag == "o" and isinstance(v, str):
+            return _constant(v)
     raise Refused("has a tree record this loader does not read")
 
 
@@ -427,9 +458,10 @@ def tree_from_records(records):
         if depth > 200 or not (isinstance(r, list) and len(r) == 3 and isinstance(r[0], str) and isinstance(r[2], list)):
             raise Refused("has a tree record this loader does not read")
         cls = _node_type(r[0])
+        aux = _aux_value(r[1])
         children = [build(c, depth + 1) for c in r[2]]
         try:
-            return jax.tree_util.PyTreeDef.from_node_data_and_children(registry, (cls, _aux_value(r[1])), children)
+            return jax.tree_util.PyTreeDef.from_node_data_and_children(registry, (cls, aux), children)
         except Exception as err:
             raise Refused(f"has a tree record that does not rebuild ({type(err).__name__})") from None
 
