@@ -476,3 +476,30 @@ def test_tree_records_round_trip_json_and_refuse_what_they_cannot_record():
     jax.tree_util.register_pytree_node(Local, lambda v: ((), None), lambda aux, ch: Local())
     with pytest.raises(_trust.Unrecordable, match=r"^its tree has a node type with no importable name"):
         _trust.tree_records(jax.tree.structure(Local()))
+
+
+def test_jax_cache_files_pass_group_writable_only_under_a_umask_that_writes_them_so(tmp_path):
+    """JAX writes its cache files with the process's umask: under 002 they are group-writable, inside the
+    private `xla/`; they pass then, and only then. Writable by others never passes."""
+    xla = tmp_path / "xla"
+    xla.mkdir(mode=0o700)
+    f = xla / "jit_f-0123-cache"
+    f.write_bytes(b"x")
+    f.chmod(0o664)
+    previous = os.umask(0o002)
+    try:
+        _trust.check_entries(str(tmp_path), str(xla))
+        f.chmod(0o666)
+        with pytest.raises(_trust.Untrusted, match=r"is writable by others \(mode 666\)"):
+            _trust.check_entries(str(tmp_path), str(xla))
+    finally:
+        os.umask(previous)
+    f.chmod(0o664)
+    os.umask(0o022)
+    try:
+        with pytest.raises(_trust.Untrusted) as err:
+            _trust.check_entries(str(tmp_path), str(xla))
+    finally:
+        os.umask(previous)
+    assert str(err.value) == (f"nitro_ipy: refusing the program store `{tmp_path}`: `{f}` is writable by its "
+                              f"group (mode 664), " + TAIL + f"`chmod 600 {f}`.")

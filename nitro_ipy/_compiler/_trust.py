@@ -145,13 +145,31 @@ def private_dir(root: str, path: str, *, create: bool) -> None:
     check_private(root, path, st, kind="dir")
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it (Linux), else the usual 022."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
 def check_entries(root: str, path: str) -> None:
     """Every entry of `path` (JAX's cache directory, which JAX reads without checking) is a regular file or
-    directory of this user's that no one else can write."""
+    directory of this user's that no one else can write. JAX writes its files with the process's umask:
+    under a umask that lets the group write (002), a group-writable file of this user's inside this
+    private directory is one JAX wrote, and passes (others-writable never does)."""
+    group_ok = not _umask() & 0o020
     try:
         with os.scandir(path) as it:
             for e in it:
-                check_private(root, e.path, e.stat(follow_symlinks=False), kind="any")
+                st = e.stat(follow_symlinks=False)
+                if group_ok and stat.S_ISREG(st.st_mode) and not st.st_mode & 0o002:
+                    st = os.stat_result((st.st_mode & ~0o020, *tuple(st)[1:]))
+                check_private(root, e.path, st, kind="any")
     except FileNotFoundError:
         pass
 
