@@ -127,7 +127,7 @@ def _check_store(root: str) -> None:
         os.makedirs(root, mode=0o700, exist_ok=True)
     real = os.path.realpath(root)  # a store reached through a link is checked where it is
     _trust.check_parents(real)
-    _trust.private_dir(root, real, create=False)
+    _trust.private_dir(root, real, create=False, top=True)
     for sub in ("programs", "xla"):
         _trust.private_dir(root, os.path.join(real, sub), create=True)
 

@@ -80,11 +80,13 @@ def _writable(st) -> str | None:
     return None
 
 
-def check_private(root: str, path: str, st, *, kind: str) -> None:
-    """`path` (a directory or a file of the store, `st` its lstat/fstat) is this user's and no one
-    else's to write; raises `Untrusted` otherwise."""
+def check_private(root: str, path: str, st, *, kind: str, top: bool = False) -> None:
+    """`path` (a directory or a file of the store, `st` its lstat/fstat; `top`: the store's own
+    directory, `root` as configured or where it resolves) is this user's and no one else's to write;
+    raises `Untrusted` otherwise."""
     if not POSIX:
         return
+    top = top or path == root
     uid = os.getuid()
     if stat.S_ISLNK(st.st_mode):
         raise Untrusted(root, path, "is a symbolic link (the store follows none)", f"`rm {path}`")
@@ -93,9 +95,9 @@ def check_private(root: str, path: str, st, *, kind: str) -> None:
         raise Untrusted(root, path, f"is not a {'directory' if kind == 'dir' else 'regular file'}",
                         f"`rm {path}`")
     if st.st_uid != uid:
-        fix = (f"`rm {path}` (a file you did not write)" if not is_dir and path != root else
-               "point `NITRO_IPY_CACHE_DIR` (or `nitro_ipy.set_cache_dir`) at a directory of your own"
-               if path == root else f"`rm -r {path}` (nitro_ipy makes it again, yours)")
+        fix = ("point `NITRO_IPY_CACHE_DIR` (or `nitro_ipy.set_cache_dir`) at a directory of your own" if top
+               else f"`rm {path}` (a file you did not write)" if not is_dir
+               else f"`rm -r {path}` (nitro_ipy makes it again, yours)")
         raise Untrusted(root, path, f"is owned by {_who(st.st_uid)}, not by you ({_who(uid)})", fix)
     who = _writable(st)
     if who:
@@ -130,7 +132,7 @@ def check_parents(root: str) -> None:
         path = parent
 
 
-def private_dir(root: str, path: str, *, create: bool) -> None:
+def private_dir(root: str, path: str, *, create: bool, top: bool = False) -> None:
     """Check `path` (the root or a directory in it); made 0700 when missing and `create`."""
     try:
         st = os.lstat(path)
@@ -142,7 +144,7 @@ def private_dir(root: str, path: str, *, create: bool) -> None:
         except FileExistsError:
             pass
         st = os.lstat(path)
-    check_private(root, path, st, kind="dir")
+    check_private(root, path, st, kind="dir", top=top)
 
 
 def _umask() -> int:
