@@ -134,8 +134,10 @@ def _check_store(root: str) -> None:
 
 def _turn_off(root: str, text: str) -> None:
     """The store is off for this process (said once per directory)."""
-    if root not in _refused_dirs:
+    with _lock:  # a background compile (compile ahead) may find the same fault at the same moment
+        first = root not in _refused_dirs
         _refused_dirs.add(root)
+    if first:
         _report.emit(Kind.STORE_OFF, text=text)
 
 
