@@ -32,6 +32,7 @@ import nitro_ipy
 from nitro_ipy import Device, GraphConst, Nitro
 from nitro_ipy._base import _report
 from nitro_ipy._compiler import _store, _trust
+from nitro_ipy._training import _ahead
 
 NOBODY = 65534
 ME = f"{pwd.getpwuid(os.getuid()).pw_name} (uid {os.getuid()})"
@@ -87,6 +88,7 @@ DATA = {"train": {"x": X, "y": np.sin(X.sum(1))}, "valid": {"x": X[:16], "y": np
 def _train():
     n = Nitro(Tiny(), data=DATA, batch_size=16, max_epochs=1, progress=False)
     n.train()
+    assert _ahead.wait(60)  # compile ahead (on for users) settled: every load and store said
     return n
 
 
