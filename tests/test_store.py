@@ -341,15 +341,13 @@ def _reserialize(path):
     passes every check and loads, and whose first run fails (XLA:CPU cannot serialize a deserialized
     executable: the bug a JAX-cache hit written to the store caused)."""
     import hashlib
-    import io
-    import pickle
 
     from nitro_ipy._base._compat import deserialize_compiled, serialize_compiled
+    from nitro_ipy._compiler import _trust
 
     header, payload = _store.read_header(path.read_bytes())
-    exe, in_tree, out_tree = _store._TreeUnpickler(io.BytesIO(payload)).load()
-    payload = pickle.dumps(serialize_compiled(deserialize_compiled(exe, in_tree, out_tree)),
-                           protocol=pickle.HIGHEST_PROTOCOL)
+    trees = [_trust.tree_from_records(header["trees"][side]) for side in ("in", "out")]
+    payload = serialize_compiled(deserialize_compiled(payload, *trees, header["meta"]["devices"]))[0]
     header["payload"] = {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
     head = json.dumps(header, sort_keys=True).encode()
     path.write_bytes(b"NITROPS1" + struct.pack(">Q", len(head)) + head + payload)

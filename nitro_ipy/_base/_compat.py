@@ -257,18 +257,47 @@ def compiled_device_ids(compiled) -> list[int] | None:
         return None
 
 
-def deserialize_compiled(payload: bytes, in_tree, out_tree, device_ids: list[int] | None = None):
+def deserialize_compiled(payload: bytes, in_tree, out_tree, device_ids: list[int] | None = None,
+                         find_class=None):
     """The `jax.stages.Compiled` that `serialize_compiled` wrote, loaded on this process's default backend,
     on the devices `device_ids` names (`compiled_device_ids`; None: every device of the backend, which
     is right only for a program that spans them all). Runs pickle on `payload`: only for files this
-    user's own store wrote (`_store.py` checks them first)."""
+    user's own store wrote (`_store.py` checks them first); `find_class(module, name)`, when given,
+    resolves every global the pickle names (`serialize_executable.deserialize_and_load`, with JAX's
+    unpickler restricted to what it returns)."""
     from jax.experimental import serialize_executable
 
     devices = None
     if device_ids is not None:
         by_id = {d.id: d for d in jax.devices()}
         devices = [by_id[i] for i in device_ids]  # a KeyError: the caller refuses the file
-    return serialize_executable.deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
+    if find_class is None:
+        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
+    import io
+
+    base = serialize_executable._JaxPjrtUnpickler
+
+    class Restricted(base):
+        def find_class(self, module, name):
+            return find_class(module, name)
+
+    backend = jax.devices()[0].client
+    unloaded, args_info_flat, no_kwargs = Restricted(io.BytesIO(payload), backend, devices).load()
+    args_info = in_tree.unflatten(args_info_flat)
+    return jax.stages.Compiled(unloaded.load(), [], args_info, out_tree, no_kwargs=no_kwargs)
+
+
+def is_pytree_node_type(cls) -> bool:
+    """Whether JAX flattens instances of `cls` as tree nodes: registered (`register_pytree_node`,
+    `register_dataclass`, Flax and Equinox classes) or a named tuple."""
+    if issubclass(cls, tuple) and isinstance(getattr(cls, "_fields", None), tuple):
+        return True
+    try:
+        from jax._src import tree_util
+
+        return cls in tree_util._registry
+    except Exception:  # where JAX moved its registry: only named tuples and built-in nodes load
+        return False
 
 
 def enable_jax_compilation_cache(path: str, max_bytes: int = -1) -> bool:

@@ -14,15 +14,16 @@ a dependency with no content fingerprint) is compiled through JAX's own persiste
 `<cache dir>/xla`, so a restart still skips XLA (it traces again).
 
 The directory: `set_cache_dir(path)`, else `NITRO_IPY_CACHE_DIR` (empty: off), else the per-user cache
-directory (`platformdirs.user_cache_dir("nitro_ipy")`). It must not be writable by others: a stored
-program is code this process runs.
+directory (`platformdirs.user_cache_dir("nitro_ipy")`). A stored program is code this process runs, so
+the store is private to this user, checked as ssh's StrictModes (`_trust.py`): a directory or file that
+someone else owns or could write turns the store off for the process, said once. Nothing it reads calls
+anything while it is read: the header (key, closure, trees, validity) is JSON, the executable's pickle
+is checked name by name before it is unpickled, with those names alone.
 """
 
 import hashlib
-import io
 import json
 import os
-import pickle
 import platform
 import struct
 import sys
@@ -46,12 +47,12 @@ from .._base._errors import NitroValueError
 from .._base._origin import PACKAGE_DIR
 from .._base._report import Kind
 from .._base._sharding import is_main_process
-from . import _cache
+from . import _cache, _trust
 
 ENV = "NITRO_IPY_CACHE_DIR"
 ENV_MAX_BYTES = "NITRO_IPY_CACHE_MAX_BYTES"
 DEFAULT_MAX_BYTES = 2 << 30  # least recently used programs go once the store holds more than this
-FORMAT = 1
+FORMAT = 2  # 2: trees as JSON records, the executable's pickle alone in the payload
 _MAGIC = b"NITROPS1"
 _SUFFIX = ".nxp"
 
@@ -59,7 +60,8 @@ _UNSET = object()
 _override = _UNSET  # what `set_cache_dir` chose (a path or None), else the environment decides
 _max_bytes: int | None = None
 _lock = threading.Lock()
-_refused_dirs: set = set()  # directories refused (permissions), each said once
+_refused_dirs: set = set()  # roots refused (`_trust.Untrusted`): off for the process, each said once
+_xla_checked: set = set()  # `xla/` directories whose entries were checked (once per process: private after)
 _reported: set = set()  # bad files said once per process
 _fallbacks: set = set()  # keys said once as going through JAX's cache
 loaded_count = 0  # programs this process loaded from disk
@@ -82,6 +84,7 @@ def set_cache_dir(path, *, max_bytes: int | None = None) -> None:
         problem = _check_dir(path)
         if problem:
             raise NitroValueError(problem)
+        _refused_dirs.discard(path)  # checked again just now: on, for this process too
     _override = path
     _max_bytes = max_bytes
 
@@ -108,36 +111,61 @@ def max_bytes() -> int:
 
 
 def _check_dir(path: str) -> str | None:
-    """Create `path` (mode 0700) if missing; the reason it is refused, or None."""
+    """Create `path` (mode 0700) if missing and check it, its parents, `programs/` and `xla/` (`_trust`);
+    the one line saying why it is refused, or None."""
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        st = os.stat(path)
+        _check_store(path)
+    except _trust.Untrusted as err:
+        return str(err)
     except OSError as err:
         return f"nitro_ipy: the program store `{path}` cannot be used ({err}); programs compile as usual."
-    if os.name == "posix" and st.st_mode & 0o022:
-        return (
-            f"nitro_ipy: refusing the program store `{path}`: it is writable by "
-            f"{'others' if st.st_mode & 0o002 else 'its group'} (mode {st.st_mode & 0o777:o}), and a stored "
-            f"program is code this process runs. Fix: `chmod 700 {path}`, or point `{ENV}` (or "
-            f"`nitro_ipy.set_cache_dir`) at a private directory."
-        )
     return None
 
 
+def _check_store(root: str) -> None:
+    if not os.path.isdir(root):
+        os.makedirs(root, mode=0o700, exist_ok=True)
+    real = os.path.realpath(root)  # a store reached through a link is checked where it is
+    _trust.check_parents(real)
+    _trust.private_dir(root, real, create=False, top=True)
+    for sub in ("programs", "xla"):
+        _trust.private_dir(root, os.path.join(real, sub), create=True)
+
+
+def _turn_off(root: str, text: str) -> None:
+    """The store is off for this process (said once per directory)."""
+    with _lock:  # a background compile (compile ahead) may find the same fault at the same moment
+        first = root not in _refused_dirs
+        _refused_dirs.add(root)
+    if first:
+        _report.emit(Kind.STORE_OFF, text=text)
+
+
 def active_dir() -> str | None:
-    """The programs directory when the store is on and usable, else None (a refusal is said once)."""
+    """The programs directory when the store is on and usable, else None (a refusal is said once, and
+    keeps the store off for the process: `set_cache_dir` checks again)."""
     root = cache_dir()
-    if root is None:
+    if root is None or root in _refused_dirs:
         return None
     problem = _check_dir(root)
     if problem:
-        if root not in _refused_dirs:
-            _refused_dirs.add(root)
-            _report.emit(Kind.STORE_OFF, text=problem)
+        _turn_off(root, problem)
         return None
-    programs = os.path.join(root, "programs")
-    os.makedirs(programs, mode=0o700, exist_ok=True)
-    return programs
+    return os.path.join(os.path.realpath(root), "programs")
+
+
+def _xla_dir(programs: str) -> str | None:
+    """`<cache dir>/xla`, JAX's persistent cache, once every file in it is checked (JAX reads them without
+    checking; this process's own writes there are private); None when one is refused (the store is off)."""
+    xla = os.path.join(os.path.dirname(programs), "xla")
+    if xla not in _xla_checked:
+        try:
+            _trust.check_entries(cache_dir() or xla, xla)
+        except _trust.Untrusted as err:
+            _turn_off(cache_dir(), str(err))
+            return None
+        _xla_checked.add(xla)
+    return xla
 
 
 # ---------------------------------------------------------------- what makes a stored program valid
@@ -227,22 +255,6 @@ def key_digest(key) -> str:
     return hashlib.sha256(f"{key!r}\n{here}".encode()).hexdigest()[:32]
 
 
-class _TreeUnpickler(pickle.Unpickler):
-    """Tree definitions name their node classes; `__main__` ones live in the notebook's namespace."""
-
-    def find_class(self, module, name):
-        if module == "__main__":
-            ns = _closure.live_module_namespace("__main__")
-            obj = ns
-            try:
-                for part in name.split("."):
-                    obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
-                return obj
-            except (KeyError, AttributeError):
-                pass
-        return super().find_class(module, name)
-
-
 def unstorable_reason(jaxpr, closure) -> str | None:
     """Why a program traced to `jaxpr` cannot be stored and loaded elsewhere, or None."""
     if closure is None:
@@ -261,9 +273,10 @@ def activate() -> bool:
     optimizer state's zeros) skip XLA after a restart too; they are most of a restart otherwise. A
     directory the user gave JAX is left alone. Returns True when the store is on."""
     programs = active_dir()
-    if programs is None:
+    xla = None if programs is None else _xla_dir(programs)
+    if xla is None:
         return False
-    enable_jax_compilation_cache(os.path.join(os.path.dirname(programs), "xla"), max_bytes())
+    enable_jax_compilation_cache(xla, max_bytes())
     return True
 
 
@@ -271,9 +284,9 @@ def fallback(key, reason: str) -> bool:
     """Route the next XLA compile through JAX's own persistent cache (in the store's directory), and say
     so once per program. Returns True when JAX's cache is on."""
     programs = active_dir()
-    if programs is None:
+    xla = None if programs is None else _xla_dir(programs)
+    if xla is None:
         return False
-    xla = os.path.join(os.path.dirname(programs), "xla")
     on = enable_jax_compilation_cache(xla, max_bytes())
     if key not in _fallbacks:
         _fallbacks.add(key)
@@ -289,16 +302,22 @@ def save(entry) -> bool:
     if programs is None or entry.closure is None or not is_main_process():
         return False
     try:
-        payload_exe, in_tree, out_tree = serialize_compiled(entry.call)
+        payload, in_tree, out_tree = serialize_compiled(entry.call)
     except Exception as err:
         fallback(entry.key, f"its executable does not serialize: {type(err).__name__}: {err}")
         return False
-    payload = pickle.dumps((payload_exe, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
+    try:  # what `load` accepts, checked before writing: a file this would refuse is never written
+        _trust.check_executable(payload)
+        trees = {"in": _trust.tree_records(in_tree), "out": _trust.tree_records(out_tree)}
+    except (_trust.Refused, _trust.Unrecordable) as err:
+        fallback(entry.key, str(err) if isinstance(err, _trust.Unrecordable) else f"its executable {err}")
+        return False
     header = {
         "validity": validity(),
         "key": repr(entry.key),
         "kind": entry.kind,
         "closure": _closure.closure_records(entry.closure),
+        "trees": trees,
         "meta": {
             "trace_s": entry.trace_s,
             "compile_s": entry.compile_s,
@@ -388,17 +407,24 @@ def load(key, info: dict | None = None, why: str | None = None):
     """The stored program for `key` as a `_cache.Entry` (origin "disk"), or None.
 
     None when nothing is stored, when its closure drifted from the live code (the file stays: an undo
-    makes it valid again), or when the file is bad (deleted and reported)."""
+    makes it valid again), when the file is bad (deleted and reported), or when it is not private to this
+    user (`_trust`: the store turns off). The executable is unpickled last, after every other check,
+    resolving only the globals JAX's serializer writes."""
     global loaded_count
     programs = active_dir()
     if programs is None:
         return None
-    path = os.path.join(programs, key_digest(key) + _SUFFIX)
+    name = key_digest(key) + _SUFFIX
+    path = os.path.join(programs, name)
     t0 = time.perf_counter()
     try:
-        with open(path, "rb") as f:
-            blob = f.read()
+        blob = _trust.read_private(cache_dir(), programs, name)
+    except _trust.Untrusted as err:
+        _turn_off(cache_dir(), str(err))
+        return None
     except OSError:
+        return None
+    if blob is None:
         return None
     try:
         header, payload = read_header(blob)
@@ -409,6 +435,7 @@ def load(key, info: dict | None = None, why: str | None = None):
             return None  # a digest collision, or another key's file: not ours to judge
         closure = _closure.closure_from_records(header["closure"])
         meta = header["meta"]
+        trees = header["trees"]
     except BadFile as err:
         _refuse(path, str(err))
         return None
@@ -417,14 +444,26 @@ def load(key, info: dict | None = None, why: str | None = None):
         return None
     if closure.drift({}):
         return None  # stale: compiled against code that is not the live code
+    try:  # nothing of the payload is interpreted before every name it asks for is known and allowed
+        in_tree, out_tree = _trust.tree_from_records(trees["in"]), _trust.tree_from_records(trees["out"])
+        _trust.check_executable(payload)
+    except _trust.Refused as err:
+        _refuse(path, str(err))
+        return None
+    except Exception as err:
+        _refuse(path, f"unreadable ({type(err).__name__}: {err})")
+        return None
     try:
-        exe, in_tree, out_tree = _TreeUnpickler(io.BytesIO(payload)).load()
-        compiled = deserialize_compiled(exe, in_tree, out_tree, meta.get("devices"))
+        compiled = deserialize_compiled(payload, in_tree, out_tree, meta.get("devices"),
+                                        find_class=_trust.find_executable_class)
+    except _trust.Refused as err:
+        _refuse(path, str(err))
+        return None
     except Exception as err:
         _refuse(path, f"does not load ({type(err).__name__}: {err})")
         return None
     try:
-        os.utime(path)  # least recently *used*: a load counts as a use
+        os.utime(path, follow_symlinks=False)  # least recently *used*: a load counts as a use
     except OSError:
         pass
     with _lock:
@@ -445,7 +484,7 @@ def _files(programs: str) -> list:
             for e in it:
                 if e.name.endswith(_SUFFIX):
                     try:
-                        st = e.stat()
+                        st = e.stat(follow_symlinks=False)
                     except OSError:
                         continue
                     out.append((st.st_mtime, st.st_size, e.path))
@@ -462,10 +501,10 @@ def _xla_files(programs: str) -> list:
         with os.scandir(xla) as it:
             for e in it:
                 try:
-                    st = e.stat()
+                    st = e.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                if e.is_file():
+                if e.is_file(follow_symlinks=False):
                     out.append((max(st.st_mtime, st.st_atime), st.st_size, e.path))
     except OSError:
         pass
