@@ -373,3 +373,30 @@ def test_a_restarted_process_loads_the_program_without_tracing(tmp_path):
     second = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert first.stdout.splitlines() == ["tracing", "3.0 0 (0, 1, 1)"], first.stdout + first.stderr
     assert second.stdout.splitlines() == ["3.0 1 (0, 1, 1)"], second.stdout + second.stderr  # no trace
+
+
+def test_through_a_real_kernel():
+    """Cell files are `.../ipykernel_PID/HASH.py` in a kernel: the edit is caught there too, said once."""
+    from test_kernel import Kernel, kernel_manager  # noqa: PLC0415 - the kernel tests' own client
+
+    with kernel_manager() as km:
+        km.start_kernel(cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        client = km.client()
+        client.start_channels()
+        try:
+            client.wait_for_ready(timeout=120)
+            k = Kernel(client)
+            k.run("%load_ext nitro_ipy")
+            k.run(HEAD + "def helper(x):\n    return x * 2.0\n@nitro_ipy.jit\ndef f(x):\n    return helper(x) + 1.0\n")
+            assert k.value("f(X).tolist()") == [3.0, 3.0, 3.0]
+            k.run("def helper(x):\n    return x * 100.0\n")
+            messages = k.run("after = f(X).tolist()")
+            said = " ".join(
+                m["content"].get("text") or m["content"].get("data", {}).get("text/plain", "") for m in messages
+                if m["msg_type"] in ("stream", "display_data"))
+            assert said.count("recompiling against edited code: __main__.helper") == 1, said
+            assert k.value("after") == [101.0, 101.0, 101.0]
+            assert k.value("tuple(nitro_ipy.cache_stats())") == [0, 2, 1]
+        finally:
+            client.stop_channels()
+            km.shutdown_kernel(now=True)
