@@ -23,10 +23,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness as H  # noqa: E402
-from _harness import Row, log  # noqa: E402
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from _harness import Row, log  # noqa: E402
 
 import nitro_ipy  # noqa: E402
 
