@@ -400,3 +400,22 @@ def test_through_a_real_kernel():
         finally:
             client.stop_channels()
             km.shutdown_kernel(now=True)
+
+
+def test_the_panel_shows_jitted_functions(ip, capsys):
+    from nitro_ipy._notebook._widgets import Panel
+
+    panel = Panel(min_interval=0)
+    panel.attach()
+    try:
+        run(ip, capsys, HEAD + "def helper(x):\n    return x * 2.0\n@nitro_ipy.jit\ndef f(x):\n    return helper(x)\nf(X); f(X)")
+        assert panel.text().startswith("nitro_ipy panel: hits 1 | misses 1 | entries 1 | poisoned 0 | "
+                                       "latest compile: jit [__main__.f] in ")
+        run(ip, capsys, "def helper(x):\n    return x * 3.0\n")
+        run(ip, capsys, "f(X)")
+        e = panel.latest_entry
+        assert panel.text() == (
+            f"nitro_ipy panel: hits 1 | misses 2 | entries 1 | poisoned 1 | latest compile: jit [__main__.f] in "
+            f"{e.trace_s + e.compile_s:.2f} s (recompiling against edited code: __main__.helper)")
+    finally:
+        panel.detach()

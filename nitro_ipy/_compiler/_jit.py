@@ -199,6 +199,7 @@ class _Jitted:
         now = world()
         memo: dict = {}
         if not self.gen.current(memo):
+            _flush_one(self)  # the calls so far reused the old generation's programs
             again = [g for g in self.kept[:-1] if g.used() and g.current(memo)]
             if again:  # an edit undone: the programs of before it are current again
                 self.gen = again[-1]
@@ -207,7 +208,6 @@ class _Jitted:
                 self.gen = _Generation(self)
             self.kept = [*self.kept, self.gen][-KEPT_GENERATIONS:]
             self.call = self.gen.inner
-            self.calls = 0
         self.world = now
 
     def _enter(self, args, kwargs):
@@ -407,14 +407,18 @@ def _flush_hits() -> None:
     """Count the calls that reused a program since the last count as cache hits, on the function's
     newest program (a function with several shapes has its hits counted on the newest one)."""
     for jitted in list(_live):
-        n = jitted.calls
-        if n <= 0:
-            continue
-        jitted.calls -= n
-        gen = jitted.gen
-        gen.hits += n
-        if gen.entries:
-            _cache.count_hit(gen.entries[-1], n)
+        _flush_one(jitted)
+
+
+def _flush_one(jitted: _Jitted) -> None:
+    n = jitted.calls
+    if n <= 0:
+        return
+    jitted.calls -= n
+    gen = jitted.gen
+    gen.hits += n
+    if gen.entries:
+        _cache.count_hit(gen.entries[-1], n)
 
 
 def _on_reset() -> None:
