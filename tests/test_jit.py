@@ -419,3 +419,13 @@ def test_the_panel_shows_jitted_functions(ip, capsys):
             f"{e.trace_s + e.compile_s:.2f} s (recompiling against edited code: __main__.helper)")
     finally:
         panel.detach()
+
+
+def test_under_disable_jit_it_runs_eagerly_and_compiles_nothing():
+    jf = nitro_ipy.jit(lambda x: x * 2)
+    with jax.disable_jit():
+        np.testing.assert_allclose(jf(jnp.ones(2)), 2 * np.ones(2))
+        jf(jnp.ones(2))
+    assert nitro_ipy.cache_stats() == (0, 0, 0)
+    jf(jnp.ones(2))
+    assert nitro_ipy.cache_stats() == (0, 1, 1)

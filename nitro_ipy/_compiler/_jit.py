@@ -263,18 +263,27 @@ class _Jitted:
         gen, t0, trace_s, recorder = self.traced
         self.traced = None
         self.calls -= 1  # a compile, not a hit
+        if jax.config.jax_disable_jit:
+            return out  # `jax.disable_jit()`: the function ran eagerly, nothing was compiled
         elapsed = time.perf_counter() - t0
-        nested = not _top_level() if _top_level is not None else any(
-            isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves((out, args, kwargs)))
         try:
-            if recorder.mode == "traceback":  # the trace's functions are read from its jaxpr's tracebacks
-                with _closure.record() as recorder:
-                    traced = gen.inner.trace(*args, **kwargs)  # JAX's cached trace: no Python runs again
-                    recorder.traced(traced.jaxpr, self.__wrapped__)
-            elif not nested:
-                traced = gen.inner.trace(*args, **kwargs)
+            return self._register(gen, trace_s, elapsed, recorder, args, kwargs, out)
+        except Exception:  # noqa: BLE001 - the call itself succeeded: its result is the user's
+            # Unrecorded, so no edit could be seen: the generation is replaced at the next world bump.
+            gen.closures = [*gen.closures, None][-NESTED_CLOSURES:]
+            return out
         finally:
             self.traced = None
+
+    def _register(self, gen, trace_s, elapsed, recorder, args, kwargs, out):
+        nested = not _top_level() if _top_level is not None else any(
+            isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves((out, args, kwargs)))
+        if recorder.mode == "traceback":  # the trace's functions are read from its jaxpr's tracebacks
+            with _closure.record() as recorder:
+                traced = gen.inner.trace(*args, **kwargs)  # JAX's cached trace: no Python runs again
+                recorder.traced(traced.jaxpr, self.__wrapped__)
+        elif not nested:
+            traced = gen.inner.trace(*args, **kwargs)
         closure = recorder.closure
         if nested:
             gen.closures = [*gen.closures, closure][-NESTED_CLOSURES:]
