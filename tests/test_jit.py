@@ -448,3 +448,44 @@ def test_cache_reset_makes_the_next_call_compile_afresh():
     nitro_ipy.cache_reset()
     np.testing.assert_allclose(jf(jnp.ones(2)), 5 * np.ones(2))
     assert nitro_ipy.cache_stats() == (0, 1, 1)
+
+
+def test_a_handle_whose_loss_calls_a_jitted_function_sees_an_edit_below_it(ip, capsys):
+    run(ip, capsys, HEAD + textwrap.dedent("""
+        import dataclasses, optax
+        from nitro_ipy import Device, Nitro
+
+        def act(z):
+            return z * 1.0
+
+        @nitro_ipy.jit
+        def penalty(z):
+            return jnp.mean(act(z) ** 2)
+
+        @dataclasses.dataclass
+        class E:
+            lr: Device[float] = 0.0
+
+            def init(self, rng):
+                return {"w": jnp.ones((2, 1))}
+
+            def forward(self, params, *, x):
+                return (x @ params["w"])[:, 0]
+
+            def loss(self, outputs, *, y):
+                return penalty(outputs - y)
+
+            def optimizer(self):
+                return optax.sgd(self.lr)
+
+        data = {"train": {"x": np.ones((8, 2), np.float32), "y": np.zeros(8, np.float32)}}
+        n = Nitro(E(), data=data, batch_size=4, progress=False)
+        n.train()
+    """))
+    assert [e.kind for e in _cache.live_entries()] == ["grad", "opt"]  # the jitted helper is inlined
+    grad = _cache.live_entries()[0]
+    assert "__main__.act" in grad.closure.names()
+    run(ip, capsys, "def act(z):\n    return z * 3.0\n")
+    out = run(ip, capsys, "n.train()")
+    assert "! this handle's compiled programs had dependency methods redefined: __main__.act (grad)" in out, out
+    assert grad.poisoned
