@@ -489,3 +489,15 @@ def test_a_handle_whose_loss_calls_a_jitted_function_sees_an_edit_below_it(ip, c
     out = run(ip, capsys, "n.train()")
     assert "! this handle's compiled programs had dependency methods redefined: __main__.act (grad)" in out, out
     assert grad.poisoned
+
+
+def test_a_call_that_raises_counts_nothing():
+    jf = nitro_ipy.jit(lambda a, b: a @ b)
+    with pytest.raises(TypeError):
+        jf(jnp.ones(3), jnp.ones(4))  # JAX's own shape error, from the trace
+    with pytest.raises(TypeError):
+        jf(jnp.ones(3), jnp.ones(4))
+    assert nitro_ipy.cache_stats() == (0, 0, 0)
+    jf(jnp.ones(3), jnp.ones(3))
+    jf(jnp.ones(3), jnp.ones(3))
+    assert nitro_ipy.cache_stats() == (1, 1, 1)

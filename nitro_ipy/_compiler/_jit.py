@@ -157,9 +157,13 @@ class _Jitted:
             try:
                 out = self.call(*args, **kwargs)
             except TypeError:
+                self.calls -= 1
                 if self.call is self.gen.inner:
                     raise
                 return self._misfit(args, kwargs)
+            except BaseException:
+                self.calls -= 1  # a call that raised reused nothing
+                raise
             if self.traced is not None:
                 return self._after_trace(args, kwargs, out)
             return out
@@ -220,11 +224,7 @@ class _Jitted:
                     return self.call(*args, **kwargs)  # its hit was counted by the lookup
                 except TypeError:
                     return self._misfit(args, kwargs)
-        self.calls += 1
-        out = self.call(*args, **kwargs)
-        if self.traced is not None:
-            return self._after_trace(args, kwargs, out)
-        return out
+        return self._counted(args, kwargs)
 
     def _adopt(self, args, kwargs) -> bool:
         """Call a program compiled before for this code and these arguments (the cache's, or the
@@ -251,7 +251,16 @@ class _Jitted:
         """A call an adopted program does not fit (another shape, structure or static value): from now
         on the inner `jax.jit` serves this generation."""
         self.call = self.gen.inner
-        out = self.call(*args, **kwargs)
+        return self._counted(args, kwargs)
+
+    def _counted(self, args, kwargs):
+        """The hot path's call, for the slow paths: counted as a hit unless it compiles or raises."""
+        self.calls += 1
+        try:
+            out = self.call(*args, **kwargs)
+        except BaseException:
+            self.calls -= 1
+            raise
         if self.traced is not None:
             return self._after_trace(args, kwargs, out)
         return out
@@ -424,9 +433,13 @@ def __call__(__nitro_self, {params}):
         try:
             out = __nitro_self.call({params})
         except TypeError:
+            __nitro_self.calls -= 1
             if __nitro_self.call is __nitro_self.gen.inner:
                 raise
             return __nitro_self._misfit(({params},), {{}})
+        except BaseException:
+            __nitro_self.calls -= 1
+            raise
         if __nitro_self.traced is not None:
             return __nitro_self._after_trace(({params},), {{}}, out)
         return out
