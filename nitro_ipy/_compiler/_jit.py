@@ -31,6 +31,7 @@ import jax
 
 from .. import _closure
 from .._base import _report
+from .._base._compat import XLA_RUNTIME_ERRORS
 from .._base._fingerprint import Unfingerprintable, fingerprint, function_fingerprint
 from .._base._report import Kind
 from .._base._world import world
@@ -219,22 +220,34 @@ class _Jitted:
         gen = self.gen
         if not gen.adopted and self.call is gen.inner and (_top_level is None or _top_level()):
             gen.adopted = True
-            if self._adopt(args, kwargs):
+            adopted = self._adopt(args, kwargs)
+            if adopted is not None:
                 try:
-                    return self.call(*args, **kwargs)  # its hit was counted by the lookup
+                    return self.call(*args, **kwargs)  # a hit (the lookup counted it) or a load (a miss)
                 except TypeError:
+                    return self._misfit(args, kwargs)
+                except XLA_RUNTIME_ERRORS as err:
+                    if adopted.origin != "disk":
+                        raise
+                    # A stored executable can load and still fail to run (`_compile.FirstRun`): the file
+                    # goes, and JAX compiles the program as on a miss. (Nothing was donated: see `_adopt`.)
+                    first = (str(err).strip().splitlines() or [""])[0]
+                    _store.forget(adopted.key, f"loaded, but its first run failed: {type(err).__name__}: {first[:200]}")
                     return self._misfit(args, kwargs)
         return self._counted(args, kwargs)
 
-    def _adopt(self, args, kwargs) -> bool:
+    def _adopt(self, args, kwargs):
         """Call a program compiled before for this code and these arguments (the cache's, or the
-        store's) directly. False when there is none."""
+        store's) directly. Returns its entry, or None when there is none."""
         try:
             key, info, statics = self._key(args, kwargs, self.gen)
         except Exception:  # noqa: BLE001 - an unhashable static, say: JAX's call raises its own error
-            return False
+            return None
         entry = _cache.lookup(key)
-        if entry is None and self.gen.fingerprint is not None and not self.gen.fingerprint.startswith("id:"):
+        # Not from disk for a function that donates: a stored program's first run may fail after XLA took
+        # the donated buffers, and the retry would have none.
+        donates = self.settings.get("donate_argnums") is not None or self.settings.get("donate_argnames") is not None
+        if entry is None and not donates and not self.gen.fingerprint.startswith("id:"):
             why = explain_miss(key, info, _cache.explanation_candidates())
             entry = _store.load(key, info, why)
             if entry is not None:
@@ -242,10 +255,10 @@ class _Jitted:
                 if entry.why:
                     _report.emit(Kind.COMPILE, entry=entry)
         if entry is None or entry.poisoned or entry.call is None:
-            return False
+            return None
         self.gen.entries.append(entry)
         self.call = _Direct(entry.call, self._static, statics) if statics else entry.call
-        return True
+        return entry
 
     def _misfit(self, args, kwargs):
         """A call an adopted program does not fit (another shape, structure or static value): from now
