@@ -17,6 +17,7 @@ from ._base._world import world as world
 from ._compiler._cache import CacheStats as CacheStats
 from ._compiler._cache import cache_reset as cache_reset
 from ._compiler._cache import cache_stats as cache_stats
+from ._compiler._jit import jit as jit
 from ._compiler._reuse import set_trace_reuse as set_trace_reuse
 from ._compiler._store import cache_dir as cache_dir
 from ._compiler._store import set_cache_dir as set_cache_dir
@@ -75,6 +76,7 @@ __all__ = [
     "graphconst_field_hash",
     "graphconst_fields",
     "host_fields",
+    "jit",
     "metrics",
     "predict",
     "set_cache_dir",

@@ -162,7 +162,13 @@ def _disk_edit_text(names: tuple) -> str:
     )
 
 
-def _recompile_loop_text(program: str, why: str) -> str:
+def _recompile_loop_text(program: str, why: str, compiles: int = 0, calls: int = 0) -> str:
+    if compiles:  # a `nitro_ipy.jit` function: most of its calls compiled
+        return (
+            f"nitro_ipy: recompile loop: `{program}` compiled {compiles} programs in {calls} calls ({why}). "
+            f"Each new argument shape, dtype or static value compiles a program; pad shapes to a few sizes, "
+            f"and pass values that vary per call as arrays rather than as static arguments."
+        )
     return (
         f"nitro_ipy: recompile loop: the `{program}` program compiled again after step 1 ({why}). "
         f"Something in its key moves every step; every step pays a compile. Usual causes: a GraphConst "

@@ -250,8 +250,15 @@ _state = _State(0)
 _lock = threading.RLock()
 
 
+# Called (no arguments) before the counters are read: `nitro_ipy.jit` counts its calls' hits here, so its
+# hot path pays no lock (`_jit._flush_hits`).
+BEFORE_STATS: list = []
+
+
 def cache_stats() -> CacheStats:
     """`(hits, misses, entries)` of the process-wide compile cache; hits and misses are cumulative."""
+    for flush in BEFORE_STATS:
+        flush()
     return CacheStats(_state.hits, _state.misses, len(_state.entries))
 
 
@@ -516,7 +523,11 @@ def _scan_entries() -> None:
         # user functions' traces go: the user's other compiled `jax.jit` functions keep theirs.
         if not evict_traces(_wraps_user_code):
             jax.clear_caches()
-        _report.emit(Kind.STALE_CACHE, count=len(poisoned), names=tuple(names),
-                     kinds=tuple(e.kind for e in poisoned))
+        # A `nitro_ipy.jit` function's programs are not said here: its next call recompiles and its one
+        # compile line names what changed (`_jit.py`).
+        said = [e for e in poisoned if e.kind != "jit"]
+        if said:
+            _report.emit(Kind.STALE_CACHE, count=len(said), names=_report.merge_names(said),
+                         kinds=tuple(e.kind for e in said))
     if disk:
         _report.emit(Kind.DISK_EDIT, names=tuple(disk))

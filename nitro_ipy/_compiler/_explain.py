@@ -38,27 +38,29 @@ def diff_keys(old, new, old_info: dict, new_info: dict) -> list[str]:
     return out
 
 
-def _diff_hooks(old, new, _old_info, _new_info) -> list[str]:
+def _diff_hooks(old, new, _old_info, new_info) -> list[str]:
     a, b = dict(old.hooks), dict(new.hooks)
-    return [f"hook `{name}` was redefined" for name in sorted(a.keys() | b.keys()) if a.get(name) != b.get(name)]
+    label = new_info.get("hook_label", "hook")  # `nitro_ipy.jit`: "function"
+    return [f"{label} `{name}` was redefined" for name in sorted(a.keys() | b.keys()) if a.get(name) != b.get(name)]
 
 
 def _diff_graphconst(old, new, old_info, new_info) -> list[str]:
     if old.graphconst == new.graphconst:
         return []
     a, b = old_info.get("graphconst", {}), new_info.get("graphconst", {})
+    label = new_info.get("graphconst_label", "GraphConst")  # `nitro_ipy.jit`: "static argument"
     moved = [n for n in sorted(a.keys() | b.keys()) if a.get(n, (None,))[0] != b.get(n, (None,))[0]]
     if not moved:
-        return ["GraphConst fields moved"]
+        return [f"{label} fields moved" if label == "GraphConst" else f"{label}s moved"]
     out = []
     for n in moved:
         was, now = a.get(n, (None, "?"))[1], b.get(n, (None, "?"))[1]
         if was != now:
-            out.append(f"GraphConst `{n}`: {was} -> {now}")
+            out.append(f"{label} `{n}`: {was} -> {now}")
         elif "<function " in was:  # the same name, new code (`_live.live_value` re-binds it)
-            out.append(f"GraphConst `{n}`: {was}, its function redefined")
+            out.append(f"{label} `{n}`: {was}, its function redefined")
         else:
-            out.append(f"GraphConst `{n}` moved{SAME_REPR}")
+            out.append(f"{label} `{n}` moved{SAME_REPR}")
     return out
 
 

@@ -200,6 +200,7 @@ def stats_table() -> StatsTable:
     so a program compiled against code edited since shows as poisoned rather than live.
     """
     _cache.ensure_fresh()
+    stats = _cache.cache_stats()  # first: it folds the hits `nitro_ipy.jit` counted into the entries
     entries = _cache.live_entries() + _cache.poisoned_entries()
     rows, untracked = [], []
     for e in entries:
@@ -211,5 +212,5 @@ def stats_table() -> StatsTable:
             if text not in untracked:
                 untracked.append(text)
     store = _store.store_stats()  # said only when the store is on: off is the quiet default of scripts
-    return StatsTable(_cache.cache_stats(), rows, untracked, len(_cache.poisoned_entries()),
+    return StatsTable(stats, rows, untracked, len(_cache.poisoned_entries()),
                       store if store.path is not None else None)
