@@ -41,8 +41,8 @@ from IPython.core.interactiveshell import InteractiveShell
 
 import nitro_ipy
 from nitro_ipy import Device, GraphConst, Nitro
+from nitro_ipy._base import _events, _report
 from nitro_ipy._compiler import _cache
-from nitro_ipy._base import _report
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness as H  # noqa: E402
@@ -210,7 +210,7 @@ def bench_panel(ip, steps: int, rounds: int) -> dict:
 
     def with_panel():
         before, spent = panel.refreshes, clock.seconds
-        unsubscribe = [_cache.subscribe(event, clock.wrap(fn)) for event, fn in subscribers.items()]
+        unsubscribe = [_events.subscribe(event, clock.wrap(fn)) for event, fn in subscribers.items()]
         previous = _report.set_sink(timed_sink)
         try:
             t = epoch()

@@ -20,6 +20,7 @@ from typing import Callable
 EVENTS = {
     "compile": "(entry): a program was stored in the cache",
     "reset": "(): `cache_reset()` ran",
+    "counting": "(): the cache's counters are about to be read (`nitro_ipy.jit` adds the hits it counted)",
     "awaiting": "(): a thread waits for a key another thread is compiling",
     "xla_start": "(): a build's trace is done and its XLA compile starts (no GIL held from here)",
     "stepping": "(running: bool): a step loop passed its first step (True), or that loop ended (False)",

@@ -30,7 +30,7 @@ import weakref
 import jax
 
 from .. import _closure
-from .._base import _report
+from .._base import _events, _report
 from .._base._compat import XLA_RUNTIME_ERRORS
 from .._base._fingerprint import Unfingerprintable, fingerprint, function_fingerprint
 from .._base._report import Kind
@@ -515,5 +515,5 @@ def _on_reset() -> None:
         jitted.world = -1
 
 
-_cache.BEFORE_STATS.append(_flush_hits)
-_cache.subscribe("reset", _on_reset)
+_events.subscribe("counting", _flush_hits)
+_events.subscribe("reset", _on_reset)
