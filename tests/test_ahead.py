@@ -33,7 +33,7 @@ def _run(ip, code):
 
 @pytest.fixture(autouse=True)
 def _ahead_on():
-    """The suite runs with compile ahead off (conftest.py); these tests are about it being on."""
+    """Compile ahead on (the suite's default too), whatever a test before left set."""
     previous = _ahead.set_compile_ahead(True)
     yield
     _ahead.set_compile_ahead(previous)
@@ -251,8 +251,10 @@ def test_an_edit_that_reshapes_the_outputs_compiles_the_metrics_at_the_new_shape
 def test_two_stale_handles_each_get_their_own_metric_programs_ahead(headed):
     """One scan, two stale handles of other batch widths (12: metrics at 12 and 4 rows; 8: at 8 rows):
     each one's metric programs are keyed from its own evaluation program and its own validation slices."""
+    # (two experiment classes: of two handles of one class, only the newer one is compiled ahead for)
+    _run(headed, "class Headed2(Headed):\n    pass\n")
     _run(headed, "n = Nitro(Headed(), data=data, batch_size=12, progress=False)\nn.train()\n"
-                 "n2 = Nitro(Headed(), data=data, batch_size=8, progress=False)\nn2.train()")
+                 "n2 = Nitro(Headed2(), data=data, batch_size=8, progress=False)\nn2.train()")
     assert _ahead.wait(60)
     misses = nitro_ipy.cache_stats().misses
     _ahead.reset()

@@ -231,6 +231,10 @@ class _State:
         self.disk_reported: set[str] = set()
         self.generation = generation
         self.compiling: dict[Key, "Claim"] = {}  # keys a thread is compiling now (single flight)
+        # The served entries the drift scan poisoned in this generation, numbered: what an edit moved
+        # (`moved_since`). Entries of before a `cache_reset()` (orphans) are not in it: a reset forgets.
+        self.moved: collections.deque = collections.deque(maxlen=POISONINGS)  # of (number, weak ref)
+        self.moves = 0
 
 
 _state = _State(0)
@@ -350,12 +354,16 @@ class Claim:
 AWAITING: list = []
 
 
-def claim(key: Key) -> tuple[Entry | None, Claim | None]:
+def claim(key: Key, generation: int | None = None) -> tuple[Entry | None, Claim | None]:
     """Single-flight compiling: `(entry, None)` when `key` is live (counted as a hit), or was compiled
     by another thread while this one waited for it (the same); else `(None, claim)`: compile it, then
-    `store(entry, claim)`, or `release(claim, error)` if the compile raised."""
+    `store(entry, claim)`, or `release(claim, error)` if the compile raised. With `generation` (a
+    compile ahead's), `(None, None)` once the cache is past it: a `cache_reset()` since the job was
+    planned, whose counters a background compile must never move."""
     while True:
         with _lock:
+            if generation is not None and generation != _state.generation:
+                return None, None
             entry = _state.entries.get(key)
             if entry is not None:
                 count_hit(entry)
@@ -390,6 +398,17 @@ def store(entry: Entry, claimed: Claim | None = None) -> None:
             claimed.entry = entry
             claimed.done.set()
     publish("compile", entry)
+
+
+def moved_since(mark: tuple | None) -> tuple[tuple, list]:
+    """`(mark, entries)`: the served entries an edit poisoned since `mark` (an earlier call's mark; None:
+    none yet), in this cache generation only, and the mark to pass next time. `_ahead` compiles the
+    replacements of these, and of nothing else: a `cache_reset()` starts a generation with none."""
+    with _lock:
+        now = (_state.generation, _state.moves)
+        since = mark[1] if mark is not None and mark[0] == now[0] else 0
+        found = [e for n, ref in _state.moved if n > since and (e := ref()) is not None]
+    return now, found
 
 
 def awaited(key: Key) -> bool:
@@ -448,6 +467,8 @@ def poison(entry: Entry, drifted) -> None:
         served = _state.entries.get(entry.key) is entry
         if served:
             del _state.entries[entry.key]
+            _state.moves += 1
+            _state.moved.append((_state.moves, weakref.ref(entry)))
         _state.orphans.discard(entry)
         _state.poisoned.append(Poisoned(entry, served))
 

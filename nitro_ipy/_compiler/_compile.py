@@ -124,7 +124,7 @@ def compile_program(
 def compile_ahead(key, fn, args, *, donate_argnums: tuple = (), info: dict | None = None,
                   record: Callable | None = None, compiler_options: dict | None = None,
                   sources: dict | None = None, out_shardings=None,
-                  ahead: str = _report.AFTER_EDIT) -> tuple:
+                  ahead: str = _report.AFTER_EDIT, generation: int | None = None) -> tuple:
     """`compile_program` for a background thread (`_ahead`): the same claim, build and store, but it
     says nothing and raises nothing. A program whose dependencies drifted while it compiled is dropped,
     not served; a compile that raised leaves the key unclaimed, so the handle that needs the program
@@ -133,11 +133,13 @@ def compile_ahead(key, fn, args, *, donate_argnums: tuple = (), info: dict | Non
 
     **Returns:** `(status, entry, detail)`: `("compiled", entry, messages)` (the messages to say later,
     from the main thread), `("had", entry, None)` when the key was live already (counted as a hit, as a
-    rebuilt handle's lookup would), `("drifted", None, names)`, or `("failed", None, error)`.
+    rebuilt handle's lookup would), `("drifted", None, names)`, `("failed", None, error)`, or
+    `("cancelled", None, None)` when the cache was reset since `generation` (the cache's generation when
+    the job was planned): nothing compiled, nothing counted.
     """
-    entry, claimed = _cache.claim(key)
+    entry, claimed = _cache.claim(key, generation)
     if claimed is None:
-        return "had", entry, None
+        return ("had", entry, None) if entry is not None else ("cancelled", None, None)
     try:
         entry = _load_or_build(key, fn, args, donate_argnums, info, record, compiler_options, sources,
                                out_shardings)
