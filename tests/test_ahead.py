@@ -909,3 +909,171 @@ def test_compile_ahead_serves_every_program_an_edit_moves_across_experiments(cas
             return shell.user_ns["rows"]
 
         assert _on_demand(on_demand) == served
+
+
+# ---------------------------------------------------------------- the rule: what compiles ahead, and when
+# (docs/recompilation.md, "Compile ahead"): only after an edit that poisons programs, only the programs
+# that edit moved, only for the handles the user can run next; a reset forgets; counts stay the user's.
+OTHER_CLASSES = """
+@dataclasses.dataclass
+class Other(Tiny):
+    pass
+
+@dataclasses.dataclass
+class Third(Tiny):
+    pass
+"""
+
+
+def _idle():
+    """What a user's pause gives the background: the quiet time after a loop, then every job finished."""
+    time.sleep(4 * _ahead.QUIET_S)
+    assert _ahead.wait(60)
+    assert nitro_ipy._compiler._reuse.wait(60)
+
+
+def _history(shell):
+    """A notebook with some history, as the issue found it: `old` (trained, then an edit, then rebuilt:
+    `n` is its rebuild), `r` (another class, rebuilt into `r2`), all bound to names, and the edit's
+    programs compiled ahead and run."""
+    _run(shell, OTHER_CLASSES)
+    _run(shell, "r = Nitro(Other(), data=data, batch_size=8, progress=False)\nr.train()")
+    _idle()
+    _run(shell, EDIT)
+    _idle()
+    _run(shell, "old = n\nn = n.rebuild()\nn.train()\nr2 = r.rebuild()\nr2.train()")
+    _idle()
+    _ahead.reset()
+
+
+def test_a_reset_then_idle_compiles_nothing(ip):
+    _history(ip)
+    _run(ip, "nitro_ipy.cache_reset()")
+    _idle()
+    assert _outcomes() == []
+    assert nitro_ipy.cache_stats() == (0, 0, 0)
+    _run(ip, "x_ = 1")  # a later cell that edits nothing
+    _idle()
+    assert _outcomes() == [] and nitro_ipy.cache_stats() == (0, 0, 0)
+
+
+def test_a_no_op_edit_then_idle_compiles_nothing(ip):
+    """A function nothing calls, an unchanged cell re-run: no program poisoned, nothing compiled, even
+    with stale handles alive whose replacements the cache lacks (a reset while compile ahead was off)."""
+    _history(ip)
+    _run(ip, "%nitro_ahead off")
+    _run(ip, "nitro_ipy.cache_reset()")
+    _run(ip, "%nitro_ahead on\ndef unused(x):\n    return x + 1\n")
+    _idle()
+    _run(ip, EDIT)  # the helper as it is already: a no-op edit too
+    _idle()
+    _run(ip, OTHER_CLASSES)  # class cells re-run unchanged
+    _idle()
+    assert _outcomes() == []
+    assert nitro_ipy.cache_stats() == (0, 0, 0)
+
+
+def test_a_poisoning_edit_compiles_only_for_the_handles_the_user_can_run_next(ip, capsys):
+    """Alive and holding the poisoned programs: `first` (an older handle of `n`'s class), `r` (rebuilt
+    into `r2`) and a handle held in a list (bound to no name). Only `n`'s programs, the newest bound
+    handle of its class, compile ahead; %nitro_stats says for which handle."""
+    _run(ip, OTHER_CLASSES)
+    _run(ip, "first = n\n"
+             "n = Nitro(Tiny(), data=data, batch_size=12, progress=False)\nn.train()\n"
+             "r = Nitro(Other(), data=data, batch_size=8, progress=False)\nr.train()\nr2 = r.rebuild()\n"
+             "keep = [Nitro(Third(), data=data, batch_size=4, progress=False)]\nkeep[0].train()")
+    _idle()
+    _ahead.reset()
+    before = _stats()
+    _run(ip, "def helper(r):\n    return r ** 2 + 0.25 * r\n")  # poisons every one of them
+    _idle()
+    assert _outcomes() == [("grad", "compiled"), ("eval", "compiled")]
+    assert _stats()[0] == before[0] + 2
+    table = nitro_ipy._compiler._stats.stats_table()
+    assert sorted(row.kind for row in table.rows if row.state == "live, compiled ahead for `n`") == ["eval", "grad"]
+    capsys.readouterr()
+    _run(ip, "%nitro_stats")
+    assert capsys.readouterr().out.count("compiled ahead for `n`") == 2
+    _run(ip, "n = n.rebuild()\nn.train()")
+    assert _stats()[0] == before[0] + 2  # served: nothing compiled on demand
+
+
+def test_the_acceptance_counts_are_exact_with_history_at_once_and_later(ip):
+    """`cache_reset(); Nitro(e).train(); cache_stats()` after a session's history: stale handles alive,
+    the acceptance cell editing the helper they call, a new experiment class: the SPEC's counts (train
+    and validate: 3 programs), at once and after idle time and a later cell."""
+    _history(ip)
+    _run(ip, EDIT2 + "@dataclasses.dataclass\nclass Fresh(Tiny):\n    pass\n"
+             "nitro_ipy.cache_reset(); Nitro(Fresh(), data=data, batch_size=16, progress=False).train()\n"
+             "at_once = nitro_ipy.cache_stats()")
+    assert ip.user_ns["at_once"][1:] == (3, 3)
+    _idle()
+    assert nitro_ipy.cache_stats()[1:] == (3, 3)
+    _run(ip, "x_ = 2")
+    _idle()
+    assert nitro_ipy.cache_stats()[1:] == (3, 3)
+    assert [kind for kind, _ in _outcomes()] in ([], ["eval"])  # at most the acceptance run's own validation
+
+
+def test_a_compile_ahead_planned_before_a_reset_never_counts_after_it():
+    """The worker's claim is checked against the cache generation the job was planned in: a job taken
+    off the queue just as `cache_reset()` ran compiles nothing and counts nothing."""
+    ns = {}
+    exec(compile(TINY_EXPERIMENT + "def probe(x):\n    return helper(x)\n", "<ipython-input-1-gen>", "exec"), ns)
+    key = _cache.Key("probe", "t", (), ("x",), "", ())
+    planned = _cache.generation()
+    nitro_ipy.cache_reset()
+    status, entry, _ = _compile.compile_ahead(key, ns["probe"], (np.ones(3, np.float32),), generation=planned)
+    assert (status, entry) == ("cancelled", None)
+    assert nitro_ipy.cache_stats() == (0, 0, 0) and not _cache.known(key)
+
+
+TINY_CLASS_AGAIN = """
+@dataclasses.dataclass
+class Tiny:
+    hidden: GraphConst[int] = 4
+    lr: Device[float] = 1e-2
+
+    def init(self, rng):
+        return {"w": jax.random.normal(rng, (3, self.hidden)) * 0.1, "v": jnp.zeros(self.hidden)}
+
+    def forward(self, params, *, x):
+        return jnp.tanh(x @ params["w"]) @ params["v"]
+
+    def loss(self, outputs, *, y):
+        return 2.0 * jnp.mean(helper(outputs - y))
+
+    def optimizer(self):
+        return optax.sgd(self.lr)
+"""
+
+
+def test_a_second_edit_cancels_the_queued_work_it_moves_again(ip):
+    """Two handles' replacements queued (held back while a step loop runs); a second edit re-runs `n`'s
+    class with another loss: `n`'s queued programs (keyed for the first edit's class) are cancelled
+    and queued anew, `m`'s stay queued; each compiles once the loop ends, and both rebuilds are served."""
+    _run(ip, "def other_helper(r):\n    return r ** 2\n\n"
+             "@dataclasses.dataclass\nclass Other(Tiny):\n    def loss(self, outputs, *, y):\n"
+             "        return jnp.mean(other_helper(outputs - y))\n\n"
+             "m = Nitro(Other(), data=data, batch_size=8, progress=False)\nm.train()")
+    _idle()
+    _ahead.reset()
+    misses = _stats()[0]
+    _ahead.stepping(True)  # a step loop runs: what `_pipeline` says after its first step
+    try:
+        _run(ip, EDIT + "\ndef other_helper(r):\n    return abs(r)\n")
+        assert [(j.key.kind, j.target) for j in _ahead._queue] == [
+            ("grad", "`n`"), ("grad", "`m`"), ("eval", "`n`"), ("eval", "`m`")]
+        first = [j.key for j in _ahead._queue if j.target == "`n`"]
+        _run(ip, TINY_CLASS_AGAIN)  # moves n's programs again (a new loss hook), not m's
+        assert _outcomes() == [("grad", "cancelled"), ("eval", "cancelled")]
+        queued = [(j.key.kind, j.target) for j in _ahead._queue]
+        assert queued == [("grad", "`m`"), ("eval", "`m`"), ("grad", "`n`"), ("eval", "`n`")]
+        assert not set(first) & {j.key for j in _ahead._queue}
+    finally:
+        _ahead.stepping(False)
+    _idle()
+    assert _outcomes()[2:] == [("grad", "compiled"), ("eval", "compiled")] * 2
+    assert _stats()[0] == misses + 4
+    _run(ip, "n = n.rebuild()\nn.train()\nm = m.rebuild()\nm.train()")
+    assert _stats()[0] == misses + 4  # both served what compiled ahead
