@@ -1,3 +1,4 @@
+import gc
 import os
 import warnings
 
@@ -61,3 +62,7 @@ def _fresh_cache():
     nitro_ipy.cache_reset()
     _ahead.wait(60)  # a compile ahead still in flight never spills into the next test's counts
     _reuse.wait(60)  # nor a trace-reuse warming (it is idle work: it runs after the test's last step)
+    # Nor this test's handles: one left in a reference cycle holds its programs, which the next test's
+    # drift scans would check (and list as poisoned) as a live handle's from before its `cache_reset()`.
+    # Automatic collection is paused while any thread traces, which compile ahead makes frequent.
+    gc.collect()

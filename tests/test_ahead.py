@@ -17,7 +17,7 @@ from IPython.core.interactiveshell import InteractiveShell
 import nitro_ipy
 from _cells import TINY_EXPERIMENT
 from nitro_ipy._training import _ahead
-from nitro_ipy._compiler import _cache, _compile
+from nitro_ipy._compiler import _cache, _compile, _reuse
 from nitro_ipy._notebook import _extension
 
 EXPERIMENT = TINY_EXPERIMENT + "n = Nitro(Tiny(), data=data, batch_size=16, progress=False)\n"
@@ -1077,3 +1077,153 @@ def test_a_second_edit_cancels_the_queued_work_it_moves_again(ip):
     assert _stats()[0] == misses + 4
     _run(ip, "n = n.rebuild()\nn.train()\nm = m.rebuild()\nm.train()")
     assert _stats()[0] == misses + 4  # both served what compiled ahead
+
+
+# ---------------------------------------------------------------- programs served by the GraphConst fields they read
+FIELDS = """
+import dataclasses
+from typing import Any
+import jax, jax.numpy as jnp, numpy as np, optax
+import nitro_ipy
+from nitro_ipy import Device, GraphConst, Nitro
+
+def act(h):
+    return jnp.tanh(h)
+
+@dataclasses.dataclass
+class Fields:
+    scale: GraphConst[float] = 1.0          # read by forward only: the gradient, evaluation, predict programs
+    decay: GraphConst[float] = 0.5          # read by the optimizer only: its lr schedule
+    variant: GraphConst[str] = "a"          # which of the next two forward reads
+    a_shift: GraphConst[float] = 0.0
+    b_shift: GraphConst[float] = 0.0
+    fn: GraphConst[Any] = act               # a function held in a field, read by forward
+    lr: Device[float] = 1e-2
+
+    def init(self, rng):
+        return {"w": jax.random.normal(rng, (3,)) * 0.1}
+
+    def forward(self, params, *, x):
+        shift = self.a_shift if self.variant == "a" else self.b_shift
+        return self.fn(x @ params["w"]) * self.scale + shift
+
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+
+    def optimizer(self):
+        return optax.sgd(optax.exponential_decay(self.lr, 1, self.decay))
+
+rs = np.random.RandomState(0)
+X = rs.normal(size=(64, 3)).astype(np.float32)
+Y = X.sum(1).astype(np.float32)
+data = {"train": {"x": X[:48], "y": Y[:48]}, "valid": {"x": X[48:], "y": Y[48:]}}
+f = Nitro(Fields(), data=data, batch_size=16, progress=False)
+f.train()
+"""
+
+
+@pytest.fixture
+def fields_shell():
+    for shell in _shell(FIELDS):
+        _idle()
+        _ahead.reset()
+        yield shell
+
+
+def _programs(shell, name):
+    return {e.kind: e for e in shell.user_ns[name]._programs.values()}
+
+
+def test_a_field_only_the_forward_reads_leaves_the_optimizer_program_alone(fields_shell):
+    """A rebuild onto another `scale` (read by forward only): the gradient and evaluation programs
+    compile anew, the optimizer program is the one the first handle ran (no compile), and training
+    computes what a handle built from scratch on that value computes."""
+    ip = fields_shell
+    before = _programs(ip, "f")
+    assert "scale" in before["grad"].reads and "scale" in before["eval"].reads
+    assert not {"scale", "variant", "fn"} & before["opt"].reads and "decay" in before["opt"].reads
+    misses = _stats()[0]
+    _run(ip, "g = f.rebuild(dataclasses.replace(f.experiment, scale=2.0))\nrows = g.train()")
+    after = _programs(ip, "g")
+    assert after["opt"] is before["opt"]  # served: the key it is served by holds only what it read
+    assert after["grad"] is not before["grad"] and after["eval"] is not before["eval"]
+    assert _stats()[0] == misses + 2
+    _idle()
+    again = _on_demand(lambda: (_run(ip, "h = Nitro(Fields(), data=data, batch_size=16, progress=False)\nh.train()\n"
+                                         "h = h.rebuild(dataclasses.replace(h.experiment, scale=2.0))\n"
+                                         "rows_h = h.train()"), ip.user_ns["rows_h"])[1])
+    assert ip.user_ns["rows"] == again
+
+
+def test_a_field_the_optimizer_reads_moves_the_optimizer_program(fields_shell):
+    """A rebuild onto another `decay` (the optimizer's lr schedule): the optimizer program compiles
+    anew, the gradient and evaluation programs are the first handle's."""
+    ip = fields_shell
+    before = _programs(ip, "f")
+    misses = _stats()[0]
+    _run(ip, "g = f.rebuild(dataclasses.replace(f.experiment, decay=0.9))\ng.train()")
+    after = _programs(ip, "g")
+    assert after["opt"] is not before["opt"]
+    assert after["grad"] is before["grad"] and after["eval"] is before["eval"]
+    assert _stats()[0] == misses + 1
+
+
+def test_a_program_is_served_only_where_every_field_its_trace_read_is_unchanged(fields_shell):
+    """`variant` decides which shift forward reads: a handle that changes the shift the trace did not
+    read is served the first handle's programs; one that changes `variant` compiles (its trace reads the
+    other shift), and a later handle is served that one only when the shift it read is unchanged.
+    Every handle predicts what its own values give."""
+    ip = fields_shell
+    _run(ip, "def expect(h):\n"
+             "    e = h.experiment\n"
+             "    shift = e.a_shift if e.variant == 'a' else e.b_shift\n"
+             "    return np.tanh(X[:4] @ np.asarray(h.params['w'])) * e.scale + shift\n")
+    cases = [  # (GraphConst values, whether the gradient program compiles)
+        ("b_shift=5.0", False),  # `variant` a never read `b_shift`
+        ("variant='b', b_shift=5.0", True),
+        ("variant='b', b_shift=5.0, a_shift=7.0", False),  # `variant` b never read `a_shift`
+        ("variant='b', b_shift=6.0", True),
+        ("variant='a', a_shift=0.0, b_shift=6.0", False),  # back to the first handle's program
+    ]
+    for values, compiles in cases:
+        grads = {id(e) for e in _cache.live_entries() if e.kind == "grad"}
+        _run(ip, f"k = Nitro(Fields({values}), data=data, batch_size=16, progress=False)\nk.train()\n"
+                 "got = k.predict({'x': X[:4]}); want = expect(k)")
+        assert (id(_programs(ip, "k")["grad"]) not in grads) == compiles, values
+        np.testing.assert_allclose(ip.user_ns["got"], ip.user_ns["want"], rtol=1e-5, atol=1e-6)
+
+
+def test_an_edited_function_in_a_graphconst_field_compiles_ahead_without_the_optimizer(fields_shell, capsys):
+    """The issue's case: `fn` (a GraphConst field) holds a function whose cell is edited. Compile ahead
+    makes the gradient and evaluation programs; the optimizer program never read `fn`, so the rebuilt
+    handle is served the one it had, and compiles nothing."""
+    ip = fields_shell
+    before = _programs(ip, "f")
+    misses = _stats()[0]
+    _run(ip, "def act(h):\n    return jnp.tanh(2.0 * h)\n")
+    _idle()
+    assert _outcomes() == [("grad", "compiled"), ("eval", "compiled")]
+    _run(ip, "f = f.rebuild()\nf.train()")
+    assert _stats()[0] == misses + 2  # nothing compiled on demand
+    assert _programs(ip, "f")["opt"] is before["opt"]
+    _run(ip, "got = f.predict({'x': X[:4]})")
+    np.testing.assert_allclose(ip.user_ns["got"], np.tanh(2.0 * ip.user_ns["X"][:4] @ np.asarray(ip.user_ns["f"].params["w"])),
+                               rtol=1e-5, atol=1e-6)
+
+
+FIELDS_CLASS = FIELDS[FIELDS.index("@dataclasses.dataclass"):FIELDS.index("rs = np.random")]
+
+
+def test_a_forward_served_by_trace_reuse_still_reads_its_fields(fields_shell):
+    """After a loss edit, the new gradient program calls a forward whose trace `_reuse` kept (its Python
+    does not run again): the fields that forward read are replayed into the program's reads, so a
+    handle on another `scale` is never served it."""
+    ip = fields_shell
+    reused = _reuse.stats["reused"]
+    _run(ip, FIELDS_CLASS.replace("jnp.mean((outputs - y) ** 2)", "jnp.mean(jnp.abs(outputs - y))"))
+    _run(ip, "f = f.rebuild()\nf.train()")
+    assert _reuse.stats["reused"] == reused + 1  # its forward came from the kept trace
+    grad = _programs(ip, "f")["grad"]
+    assert {"scale", "variant", "a_shift", "fn"} <= grad.reads
+    _run(ip, "k = Nitro(Fields(scale=3.0), data=data, batch_size=16, progress=False)\nk.train()")
+    assert _programs(ip, "k")["grad"] is not grad

@@ -44,7 +44,12 @@ class ArgSig(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Key:
-    """A program's compile key. Every component earns its place (see docs/recompilation.md)."""
+    """A program's compile key. Every component earns its place (see docs/recompilation.md).
+
+    `graphconst` is the hash of every GraphConst field: what a program is stored and found under. A live
+    program is also served for a key whose other components are equal and whose `fields` fingerprint
+    alike the GraphConst fields its trace read (`Entry.reads`): an edit to a field only the gradient
+    program reads leaves the optimizer program served (`_serves`)."""
 
     kind: str  # "grad", "opt", "eval", "metric:<hook>", "predict"
     owner: str  # the experiment type's qualified name
@@ -52,6 +57,13 @@ class Key:
     args: tuple  # (treedef repr, (ArgSig, ...)) of the traced arguments
     graphconst: str  # graphconst_field_hash(e)
     options: tuple  # ((name, value), ...) trace-time options that change the graph (accum, layout)
+    # ((GraphConst field, fingerprint), ...): what `graphconst` hashes, field by field (not compared:
+    # equal keys have equal hashes; not in the repr, which names a stored program's file)
+    fields: tuple = dataclasses.field(default=(), compare=False, repr=False)
+
+    def without_fields(self) -> tuple:
+        """Every component but the GraphConst ones: what a program served by its read fields shares."""
+        return (self.kind, self.owner, self.hooks, self.args, self.options)
 
 
 def shapes_of(tree):
@@ -164,6 +176,9 @@ class Entry:
     operations: int = 0  # equations of its jaxpr, sub-jaxprs included: what a slow compile is made of
     constants: tuple = ()  # (nbytes, shape, dtype, origin) of large constants baked in (`_compile`)
     origin: str = "compiled"  # "disk": loaded from the program store (`_store.py`), not traced
+    # The experiment fields its trace read through the compile view (`_closure.note_field_read`); None
+    # when unknown (loaded from the store, or traced unrecorded): then it serves its exact key only.
+    reads: frozenset | None = None
     unstorable: str | None = None  # why the store cannot hold it (then JAX's persistent cache does)
 
     @property
@@ -328,10 +343,28 @@ def count_hit(entry: Entry, uses: int = 1) -> None:
         _state.hits += uses
 
 
+def _serving(key: Key) -> Entry | None:
+    """The live entry that serves `key` (under `_lock`): the one stored under it, else one whose trace
+    read only GraphConst fields that `key` fingerprints alike (with every other component equal). Its
+    trace would run again exactly as it ran: the same hooks, argument types and options, and the same
+    values for every field it read (values a trace reads in any other way are in its closure)."""
+    entry = _state.entries.get(key)
+    if entry is not None or not key.fields:
+        return entry
+    mine, rest = dict(key.fields), key.without_fields()
+    for entry in _state.entries.values():
+        if entry.reads is None or not entry.key.fields or entry.key.without_fields() != rest:
+            continue
+        theirs = dict(entry.key.fields)
+        if theirs.keys() == mine.keys() and all(theirs[n] == mine[n] for n in entry.reads if n in mine):
+            return entry
+    return None
+
+
 def lookup(key: Key) -> Entry | None:
-    """The live entry for `key`, counted as a hit, or None (nothing counted)."""
+    """The live entry serving `key`, counted as a hit, or None (nothing counted)."""
     with _lock:
-        entry = _state.entries.get(key)
+        entry = _serving(key)
         if entry is not None:
             count_hit(entry)
         return entry
@@ -364,7 +397,7 @@ def claim(key: Key, generation: int | None = None) -> tuple[Entry | None, Claim 
         with _lock:
             if generation is not None and generation != _state.generation:
                 return None, None
-            entry = _state.entries.get(key)
+            entry = _serving(key)
             if entry is not None:
                 count_hit(entry)
                 return entry, None
@@ -419,13 +452,15 @@ def awaited(key: Key) -> bool:
 
 
 def peek(key: Key) -> Entry | None:
-    """The live entry for `key`, or None, counting nothing (`_ahead` reads a stored program's outputs)."""
-    return _state.entries.get(key)
+    """The live entry serving `key`, or None, counting nothing (`_ahead` reads a stored program's outputs)."""
+    with _lock:
+        return _serving(key)
 
 
 def known(key: Key) -> bool:
-    """True when `key` is live or being compiled (nothing counted): `_ahead` need not compile it."""
-    return key in _state.entries or key in _state.compiling
+    """True when `key` is served or being compiled (nothing counted): `_ahead` need not compile it."""
+    with _lock:
+        return key in _state.compiling or _serving(key) is not None
 
 
 def store_if_current(entry: Entry, claimed: Claim) -> tuple:
@@ -457,11 +492,13 @@ def discard(key: Key) -> None:
         _state.entries.pop(key, None)
 
 
-def poison(entry: Entry, drifted) -> None:
-    """Never serve `entry` again; handles that hold it keep running it (fixed point) and are told so."""
+def poison(entry: Entry, drifted) -> bool:
+    """Never serve `entry` again; handles that hold it keep running it (fixed point) and are told so.
+    Returns whether it is recorded as poisoned: a program compiled ahead that no handle ever ran is
+    dropped instead, unsaid (the user never had it; with compile ahead off it would not exist)."""
     with _lock:
         if entry.poisoned:
-            return
+            return False
         entry.poisoned = True
         entry.drifted = tuple(drifted)
         served = _state.entries.get(entry.key) is entry
@@ -470,7 +507,10 @@ def poison(entry: Entry, drifted) -> None:
             _state.moves += 1
             _state.moved.append((_state.moves, weakref.ref(entry)))
         _state.orphans.discard(entry)
+        if entry.hits == 0 and entry.info.get("ahead"):
+            return False
         _state.poisoned.append(Poisoned(entry, served))
+        return True
 
 
 def revive(entry: Entry) -> None:
@@ -535,6 +575,7 @@ def _scan() -> None:
 def _scan_entries() -> None:
     memo: dict = {}
     poisoned, names = [], []
+    evict = False  # a program was poisoned (said, or an unused one compiled ahead dropped)
     disk: list[str] = []
     held = _held_poisoned()
     for entry in [*_state.entries.values(), *_state.orphans.alive()]:
@@ -543,9 +584,10 @@ def _scan_entries() -> None:
             continue
         drifted = closure.drift(memo)
         if drifted:
-            poison(entry, drifted)
-            poisoned.append(entry)
-            names.extend(n for n in drifted if n not in names)
+            evict = True
+            if poison(entry, drifted):
+                poisoned.append(entry)
+                names.extend(n for n in drifted if n not in names)
         else:
             disk.extend(n for n in closure.disk_edits(memo) if n not in disk)
     # An edit reverted (its dependencies fingerprint as at compile time again) makes a poisoned entry
@@ -559,12 +601,13 @@ def _scan_entries() -> None:
     _state.disk_reported &= set(disk)
     disk = [n for n in disk if n not in _state.disk_reported]
     _state.disk_reported.update(disk)
-    if poisoned:
+    if evict:
         # JAX caches the traces of the user's own inner `jax.jit` / `checkpoint` functions by identity;
         # a recompile would otherwise rebuild around the old inner trace of a helper that changed. Only
         # user functions' traces go: the user's other compiled `jax.jit` functions keep theirs.
         if not evict_traces(_wraps_user_code):
             jax.clear_caches()
+    if poisoned:
         _report.emit(Kind.STALE_CACHE, count=len(poisoned), names=tuple(names),
                      kinds=tuple(e.kind for e in poisoned))
     if disk:

@@ -203,7 +203,7 @@ class FirstRun:
             _store.forget(entry.key, f"loaded, but its first run failed: {type(err).__name__}: {first[:200]}")
             fresh = self.rebuild(args)
             for name in ("call", "trace_s", "compile_s", "closure", "compiler_options", "operations",
-                         "constants", "origin", "unstorable"):
+                         "constants", "origin", "unstorable", "reads"):
                 setattr(entry, name, getattr(fresh, name))
             _save(entry)
             _report.emit(Kind.COMPILE, entry=entry)
@@ -273,9 +273,9 @@ def _trace_and_compile(key, fn, args, donate_argnums, info, record, compiler_opt
                 with record() as recorder:
                     traced = jitted.trace(*args)
                     recorder.traced(traced.jaxpr, fn)
-                closure = recorder.closure
+                closure, reads = recorder.closure, recorder.fields
             else:
-                traced, closure = jitted.trace(*args), None
+                traced, closure, reads = jitted.trace(*args), None, None
         except Exception as err:
             hint = library_hint(err)
             if hint is not None and hint not in getattr(err, "__notes__", ()):
@@ -305,7 +305,7 @@ def _trace_and_compile(key, fn, args, donate_argnums, info, record, compiler_opt
     return _cache.Entry(
         key, compiled, t1 - t0, t2 - t1, closure, info or {}, why, compiler_options=used,
         operations=sum(1 for _ in jaxpr_eqns([traced.jaxpr])),
-        constants=large_constants(traced.jaxpr, closure, sources), unstorable=unstorable,
+        constants=large_constants(traced.jaxpr, closure, sources), unstorable=unstorable, reads=reads,
     )
 
 

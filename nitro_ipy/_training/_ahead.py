@@ -699,3 +699,6 @@ def _work() -> None:
                 _busy.pop(me, None)
                 _tracing.discard(me)
                 _cv.notify_all()
+            # Nothing of the job outlives it in this idle thread: a program kept alive here would be
+            # checked (and said poisoned) after a `cache_reset()` as if a handle still ran it.
+            job = entry = follow = detail = b = info = None
