@@ -1227,3 +1227,27 @@ def test_a_forward_served_by_trace_reuse_still_reads_its_fields(fields_shell):
     assert {"scale", "variant", "a_shift", "fn"} <= grad.reads
     _run(ip, "k = Nitro(Fields(scale=3.0), data=data, batch_size=16, progress=False)\nk.train()")
     assert _programs(ip, "k")["grad"] is not grad
+
+
+def test_a_trace_that_an_edit_s_eviction_crossed_is_traced_again():
+    """A background trace (a compile ahead, a trace-reuse warming) can cache an inner `jax.jit`'s trace
+    of the old code just after an edit's scan evicted those traces: the next program would then be built
+    around it while its closure (recorded from the live names) says it is current. Here the edit lands
+    inside the trace itself: the program is traced again, and computes the new code."""
+    ns = {"__name__": "__main__"}
+    exec(compile(
+        "import jax, jax.numpy as jnp\n"
+        "from nitro_ipy._compiler import _cache\n"
+        "NEW = 'def inner(z):\\n    return z * 3.0\\n'\n"
+        "def inner(z):\n"
+        "    exec(NEW, globals())  # the edit, as another thread's cell would make it mid-trace\n"
+        "    _cache.evict_user_traces()\n"
+        "    return z * 1.0\n"
+        "act = jax.jit(jax.checkpoint(lambda z: inner(z)))\n"
+        "def program(x):\n"
+        "    return act(x) + 0.0\n", "<ipython-input-1-evict>", "exec"), ns)
+    key = _cache.Key("probe", "t", (), ("x",), "", ())
+    entry = _compile.compile_program(key, ns["program"], (np.ones(3, np.float32),),
+                                     record=nitro_ipy._closure.record)
+    np.testing.assert_allclose(entry.call(np.ones(3, np.float32)), 3.0 * np.ones(3))
+    assert not entry.poisoned

@@ -563,6 +563,25 @@ def _wraps_user_code(fn) -> bool:
     return False
 
 
+_evictions = [0]  # how many times `evict_user_traces` ran: a trace that saw it move may hold old ones
+
+
+def evictions() -> int:
+    """A counter `evict_user_traces` moves: a thread that traced while it moved (a compile ahead, a
+    trace-reuse warming) may have cached an inner trace of the old code, and evicts again (`_compile`)."""
+    return _evictions[0]
+
+
+def evict_user_traces() -> None:
+    """Drop JAX's cached traces of the user's own functions. JAX caches the traces of inner `jax.jit` /
+    `checkpoint` functions by identity; a recompile after an edit would otherwise rebuild around the
+    old inner trace of a helper that changed. Only user functions' traces go: the user's other compiled
+    `jax.jit` functions keep theirs."""
+    _evictions[0] += 1
+    if not evict_traces(_wraps_user_code):
+        jax.clear_caches()
+
+
 def _scan() -> None:
     with _lock:
         # The world this scan checks against: a bump while it runs (the watcher's thread) scans again.
@@ -602,11 +621,7 @@ def _scan_entries() -> None:
     disk = [n for n in disk if n not in _state.disk_reported]
     _state.disk_reported.update(disk)
     if evict:
-        # JAX caches the traces of the user's own inner `jax.jit` / `checkpoint` functions by identity;
-        # a recompile would otherwise rebuild around the old inner trace of a helper that changed. Only
-        # user functions' traces go: the user's other compiled `jax.jit` functions keep theirs.
-        if not evict_traces(_wraps_user_code):
-            jax.clear_caches()
+        evict_user_traces()
     if poisoned:
         _report.emit(Kind.STALE_CACHE, count=len(poisoned), names=tuple(names),
                      kinds=tuple(e.kind for e in poisoned))

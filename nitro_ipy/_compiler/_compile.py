@@ -250,6 +250,39 @@ _reuse.IDLE.append(_no_build)
 _reuse.WHILE_TRACING.append(gc_paused)
 
 
+def _fresh(fn):
+    """`fn` under a new identity: JAX caches a function's traces by identity."""
+
+    def again(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return again
+
+
+def _trace(jitted, fn, args, record) -> tuple:
+    """`(traced, closure, reads)`: `jitted` traced at `args`, under `record` when given (its closure, and
+    the experiment fields the trace read; None when unknown)."""
+    with gc_paused():
+        try:
+            if record is None:
+                return jitted.trace(*args), None, None
+            # Only the trace runs user Python; lowering stays outside the recorder (and off a profiler hook).
+            with record() as recorder:
+                traced = jitted.trace(*args)
+                recorder.traced(traced.jaxpr, fn)
+        except Exception as err:
+            hint = library_hint(err)
+            if hint is not None and hint not in getattr(err, "__notes__", ()):
+                err.add_note(hint)
+            raise
+    closure, reads = recorder.closure, recorder.fields
+    if closure is not None and closure.untracked:
+        # It read a value with no fingerprint: what that value holds may come from a GraphConst field
+        # it never read (docs/recompilation.md), so every field keys it.
+        reads = None
+    return traced, closure, reads
+
+
 def _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, why=None, out_shardings=None):
     """Trace (recording), lower and XLA-compile: the `Entry`, not yet stored."""
     with _gc_lock:
@@ -262,25 +295,23 @@ def _build(key, fn, args, donate_argnums, info, record, compiler_options, source
             _building[0] -= 1
 
 
+# A trace during which an edit's scan evicted the user's cached inner traces may have cached one of the
+# old code again (it read the old helper before the edit): it is traced again, at most this many times.
+RETRACES = 3
+
+
 def _trace_and_compile(key, fn, args, donate_argnums, info, record, compiler_options, sources, why, out_shardings):
     placed = {} if out_shardings is None else {"out_shardings": out_shardings}
     jitted = jax.jit(fn, donate_argnums=donate_argnums, **placed)
     t0 = time.perf_counter()
+    for _ in range(RETRACES):
+        evictions = _cache.evictions()
+        traced, closure, reads = _trace(jitted, fn, args, record)
+        if _cache.evictions() == evictions:
+            break
+        _cache.evict_user_traces()  # what this trace cached may be the old code's: traced again, clean,
+        jitted = jax.jit(_fresh(fn), donate_argnums=donate_argnums, **placed)  # past JAX's cache of `fn`'s
     with gc_paused():
-        try:
-            if record is not None:
-                # Only the trace runs user Python; lowering stays outside the recorder (and off a profiler hook).
-                with record() as recorder:
-                    traced = jitted.trace(*args)
-                    recorder.traced(traced.jaxpr, fn)
-                closure, reads = recorder.closure, recorder.fields
-            else:
-                traced, closure, reads = jitted.trace(*args), None, None
-        except Exception as err:
-            hint = library_hint(err)
-            if hint is not None and hint not in getattr(err, "__notes__", ()):
-                err.add_note(hint)
-            raise
         lowered = traced.lower()
     # A program the store cannot hold still skips XLA after a restart, through JAX's own cache.
     on = record is not None and _store.cache_dir() is not None

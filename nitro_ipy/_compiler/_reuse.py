@@ -153,11 +153,15 @@ def warm(key, forward: Forward, program, args) -> bool:
     """Trace `program` (the gradient program, calling through `forward`) for `args`, so that JAX caches
     the forward's trace and derivative; then keep `forward` for the next program keyed `key`. Returns
     whether `forward` was kept."""
+    evictions = _cache.evictions()
     try:
         with _quiet():
             jax.jit(program).trace(*args)
         forward.finish()
     except Exception:  # an optimisation only: the next build traces plainly and warms again
+        return False
+    if _cache.evictions() != evictions:  # an edit's scan ran meanwhile: what this trace cached of the
+        _cache.evict_user_traces()  # user's inner functions may be the old code's
         return False
     if not forward.fresh():  # the code moved while it traced
         return False
