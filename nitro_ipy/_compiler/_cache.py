@@ -179,6 +179,9 @@ class Entry:
     # The experiment fields its trace read through the compile view (`_closure.note_field_read`); None
     # when unknown (loaded from the store, or traced unrecorded): then it serves its exact key only.
     reads: frozenset | None = None
+    # Compiled in the background (`_ahead`) and not taken by a handle yet: its first taking counts no
+    # hit, files it as compiled then, and says so to front ends (`take`), as if compiled on demand.
+    untaken: bool = False
     unstorable: str | None = None  # why the store cannot hold it (then JAX's persistent cache does)
 
     @property
@@ -366,8 +369,22 @@ def lookup(key: Key) -> Entry | None:
     with _lock:
         entry = _serving(key)
         if entry is not None:
-            count_hit(entry)
+            _served(entry)
         return entry
+
+
+def _served(entry: Entry) -> None:
+    """A handle takes `entry` (under `_lock`): a hit, or, the first time for a program compiled in the
+    background, what its compile on demand would have been: no hit (its miss was counted when it was
+    made), filed as the newest entry, and the compile event front ends follow (the live panel)."""
+    if not entry.untaken:
+        count_hit(entry)
+        return
+    entry.untaken = False
+    if _state.entries.get(entry.key) is entry:
+        del _state.entries[entry.key]
+        _state.entries[entry.key] = entry
+    publish("compile", entry)
 
 
 class Claim:
@@ -399,7 +416,8 @@ def claim(key: Key, generation: int | None = None) -> tuple[Entry | None, Claim 
                 return None, None
             entry = _serving(key)
             if entry is not None:
-                count_hit(entry)
+                if generation is None:  # a background compile finding it counts nothing
+                    _served(entry)
                 return entry, None
             pending = _state.compiling.get(key)
             if pending is None:
@@ -430,7 +448,8 @@ def store(entry: Entry, claimed: Claim | None = None) -> None:
             state.compiling.pop(claimed.key, None)
             claimed.entry = entry
             claimed.done.set()
-    publish("compile", entry)
+    if not entry.untaken:  # one compiled ahead is said when a handle takes it (`_served`)
+        publish("compile", entry)
 
 
 def moved_since(mark: tuple | None) -> tuple[tuple, list]:
@@ -507,7 +526,7 @@ def poison(entry: Entry, drifted) -> bool:
             _state.moves += 1
             _state.moved.append((_state.moves, weakref.ref(entry)))
         _state.orphans.discard(entry)
-        if entry.hits == 0 and entry.info.get("ahead"):
+        if entry.untaken:
             return False
         _state.poisoned.append(Poisoned(entry, served))
         return True

@@ -149,6 +149,7 @@ def compile_ahead(key, fn, args, *, donate_argnums: tuple = (), info: dict | Non
     except BaseException:
         _cache.release(claimed, None)
         raise
+    entry.untaken = True  # counted as the miss it is; its first taking counts no hit (`_cache._served`)
     drifted = _cache.store_if_current(entry, claimed)
     if drifted:
         return "drifted", None, drifted

@@ -1,12 +1,18 @@
-"""Compile ahead: after an edit poisons programs a live handle runs (or re-runs the cell defining its
-class), their replacements compile in the background, under the keys a rebuilt handle will ask for, so
-`n.rebuild()` finds them ready.
+"""Compile ahead: after an edit poisons programs, the replacements of the programs that edit moved compile
+in the background, under the keys a rebuilt handle will ask for, so `n.rebuild()` finds them ready.
 
-- Live handles are tracked weakly (`track`), each with the recipe of every program it resolved
-  (`resolved`): its spec, hook, batch fields and the shapes of its arguments. That is all a replacement
-  needs: `after_edit` (the extension's post-cell hook, or `bump_world(ahead=True)` in a script) scans,
-  rebinds each stale handle's experiment through its live class exactly as `rebuild()` would, keys each
-  poisoned program's replacement with `program_key`, and queues the ones no one compiled yet.
+The rule, applied in one place (`after_edit`: the extension's post-cell hook, or `bump_world(ahead=True)`
+in a script; docs/recompilation.md states it for users):
+- only after an edit that poisoned programs since the last cell (`_cache.moved_since`: served entries of
+  this cache generation; `cache_reset()` forgets and never starts a compile; a no-op edit starts nothing);
+- only the programs that edit moved: a handle's program whose entry is poisoned (`_staleness.stale`) or
+  whose key, recomposed against the live code exactly as `rebuild()` keys it (`_staleness.rebind`,
+  `rebound_model`), moved, and that the cache does not serve;
+- only for the handles the user can run next (`targets`): bound to a name in the user's namespace, not
+  superseded by their own `rebuild()` result or by a newer bound handle of the same experiment class;
+- a newer edit cancels the queued work for the programs it moves again (`_planned`), and nothing else.
+Live handles are tracked weakly (`track`), each with the recipe of every program it resolved
+(`resolved`): its spec, hook, batch fields and the shapes of its arguments.
 - Two worker threads compile them, in order, through `_compile.compile_ahead` (the cache's single-flight
   claim: a rebuild that needs a program in flight waits for it, never a second copy). One traces at a
   time; the next job starts as soon as the one before reaches XLA (`WORKERS`), so the evaluation
