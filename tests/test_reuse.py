@@ -14,6 +14,7 @@ import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
 import nitro_ipy
+from nitro_ipy._training import _ahead
 from nitro_ipy._notebook import _extension
 from nitro_ipy._compiler import _reuse
 
@@ -189,7 +190,17 @@ def test_an_edit_below_the_forward_is_never_served_the_old_trace(ip, edit):
     _same(n, _plainly(ip, *edits))
 
 
-def test_a_graphconst_change_or_a_forward_edit_traces_plainly(ip):
+@pytest.fixture
+def on_demand():
+    """Compile ahead off: the test counts the warmings and traces of programs compiled on demand, in the
+    main thread (compile ahead makes an edit's programs in its own threads, for the newest handle of a
+    class, and its compiles warm too: tests/test_ahead.py)."""
+    previous = _ahead.set_compile_ahead(False)
+    yield
+    _ahead.set_compile_ahead(previous)
+
+
+def test_a_graphconst_change_or_a_forward_edit_traces_plainly(ip, on_demand):
     _run(ip, "n2 = Nitro(Reuse(hidden=5), data=data, batch_size=16, progress=False)\nn2.train()")
     assert _reuse.wait(60)
     assert _stats() == {"warmed": 1, "reused": 0, "discarded": 0, "retraced": 0}  # another key: its own
@@ -199,7 +210,7 @@ def test_a_graphconst_change_or_a_forward_edit_traces_plainly(ip):
     assert _stats() == {"warmed": 2, "reused": 0, "discarded": 0, "retraced": 0}
 
 
-def test_the_warming_runs_once_training_stopped_and_prints_nothing(ip, capsys):
+def test_the_warming_runs_once_training_stopped_and_prints_nothing(ip, capsys, on_demand):
     """A print in the forward prints once per compile; the warming trace, in its own thread, runs only
     when no handle trained for `QUIET_S` (it takes the GIL and a core)."""
     _run(ip, "import threading, time\nTRACES = []")

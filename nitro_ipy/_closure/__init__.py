@@ -9,6 +9,7 @@ from ._persist import closure_records as closure_records
 from ._persist import live_module_namespace as live_module_namespace
 from ._recorder import Recorder as Recorder
 from ._recorder import note_class_attr as note_class_attr
+from ._recorder import note_field_read as note_field_read
 from ._recorder import record as record
 from ._recorder import record_hooks as record_hooks
 from ._recorder import replay as replay
@@ -32,6 +33,7 @@ __all__ = [
     "closure_records",
     "live_module_namespace",
     "note_class_attr",
+    "note_field_read",
     "record",
     "record_hooks",
     "replay",

@@ -21,12 +21,17 @@ class Recorder:
     block hands each traced jaxpr over with `r.traced(jaxpr)`.
     """
 
-    __slots__ = ("closure", "kept", "_keep", "_frames", "_attrs", "_jaxprs", "_roots", "_mode", "_tid")
+    __slots__ = ("closure", "kept", "fields", "_keep", "_frames", "_attrs", "_fields", "_jaxprs", "_roots",
+                 "_mode", "_tid")
 
     def __init__(self, keep: bool = False):
         self.closure: Closure | None = None
-        # With `keep`: `(frames, class attrs)` the recording saw, for `replay` into a later recording.
-        self.kept: tuple = ((), ())
+        # With `keep`: `(frames, class attrs, fields)` the recording saw, for `replay` into a later recording.
+        self.kept: tuple = ((), (), ())
+        # After the block: the experiment fields traced code read through the compile view
+        # (`note_field_read`), replays included: what a program's GraphConst key component is matched on.
+        self.fields: frozenset = frozenset()
+        self._fields: set = set()
         self._keep = keep
         self._frames: dict[int, Frame] = {}  # id(code) -> the function as it ran
         self._attrs: dict[tuple, tuple] = {}  # (id(cls), name) -> (cls, name, attr)
@@ -50,8 +55,9 @@ class Recorder:
         builder.via_class = {id(fn.__code__) for _cls, _name, attr in self._attrs.values()
                              for fn in underlying(attr)}
         frames = [f for f in self._frames.values() if f is not None]
+        self.fields = frozenset(self._fields)
         if self._keep:
-            self.kept = (tuple(frames), tuple(self._attrs.values()))
+            self.kept = (tuple(frames), tuple(self._attrs.values()), self.fields)
         for code, ns, _cells in frames:
             builder.executed.add((ns.get("__name__") or "?", code.co_qualname))
         for code, ns, cells in frames:
@@ -61,6 +67,7 @@ class Recorder:
         self.closure = builder.build()
         self._frames.clear()
         self._attrs.clear()
+        self._fields.clear()
         self._jaxprs.clear()
         self._roots.clear()
 
@@ -138,12 +145,13 @@ def record(keep: bool = False) -> Recorder:
 def replay(kept: tuple) -> None:
     """Tell every recorder active in this thread that the code a `record(keep=True)` saw ran again: a
     trace JAX served from its cache (`_reuse`) depends on that code as if it had run."""
-    frames, attrs = kept
+    frames, attrs, fields = kept
     for rec in probes.active.get(threading.get_ident(), ()):
         for frame in frames:
             rec._frames.setdefault(id(frame.code), frame)
         for cls, name, attr in attrs:
             rec._attrs.setdefault((id(cls), name), (cls, name, attr))
+        rec._fields.update(fields)
 
 
 def note_class_attr(cls, name: str, attr) -> None:
@@ -152,3 +160,12 @@ def note_class_attr(cls, name: str, attr) -> None:
     if stack:
         for rec in stack:
             rec._attrs.setdefault((id(cls), name), (cls, name, attr))
+
+
+def note_field_read(name: str) -> None:
+    """Record that traced code read experiment field `name` through the compile view (the view calls
+    this on every read): a program is served only where the GraphConst fields it read are unchanged."""
+    stack = probes.active.get(threading.get_ident())
+    if stack:
+        for rec in stack:
+            rec._fields.add(name)

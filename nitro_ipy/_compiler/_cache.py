@@ -51,7 +51,12 @@ class ArgsKey(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Key:
-    """A program's compile key. Every component earns its place (see docs/recompilation.md)."""
+    """A program's compile key. Every component earns its place (see docs/recompilation.md).
+
+    `graphconst` is the hash of every GraphConst field: what a program is stored and found under. A live
+    program is also served for a key whose other components are equal and whose `fields` fingerprint
+    alike the GraphConst fields its trace read (`Entry.reads`): an edit to a field only the gradient
+    program reads leaves the optimizer program served (`_serves`)."""
 
     kind: str  # "grad", "opt", "eval", "metric:<hook>", "predict"
     owner: str  # the experiment type's qualified name
@@ -59,6 +64,13 @@ class Key:
     args: ArgsKey  # structure, shapes, dtypes, weak types and shardings of the traced arguments
     graphconst: str  # graphconst_field_hash(e)
     options: tuple  # ((name, value), ...) trace-time options that change the graph (accum, layout)
+    # ((GraphConst field, fingerprint), ...): what `graphconst` hashes, field by field (not compared:
+    # equal keys have equal hashes; not in the repr, which names a stored program's file)
+    fields: tuple = dataclasses.field(default=(), compare=False, repr=False)
+
+    def without_fields(self) -> tuple:
+        """Every component but the GraphConst ones: what a program served by its read fields shares."""
+        return (self.kind, self.owner, self.hooks, self.args, self.options)
 
     def __post_init__(self):
         if type(self.args) is tuple and len(self.args) == 2:  # a plain pair (a key read back from the store)
@@ -175,6 +187,12 @@ class Entry:
     operations: int = 0  # equations of its jaxpr, sub-jaxprs included: what a slow compile is made of
     constants: tuple = ()  # (nbytes, shape, dtype, origin) of large constants baked in (`_compile`)
     origin: str = "compiled"  # "disk": loaded from the program store (`_store.py`), not traced
+    # The experiment fields its trace read through the compile view (`_closure.note_field_read`); None
+    # when unknown (loaded from the store, or traced unrecorded): then it serves its exact key only.
+    reads: frozenset | None = None
+    # Compiled in the background (`_ahead`) and not taken by a handle yet: its first taking counts no
+    # hit, files it as compiled then, and says so to front ends (`take`), as if compiled on demand.
+    untaken: bool = False
     unstorable: str | None = None  # why the store cannot hold it (then JAX's persistent cache does)
 
     @property
@@ -242,6 +260,10 @@ class _State:
         self.disk_reported: set[str] = set()
         self.generation = generation
         self.compiling: dict[Key, "Claim"] = {}  # keys a thread is compiling now (single flight)
+        # The served entries the drift scan poisoned in this generation, numbered: what an edit moved
+        # (`moved_since`). Entries of before a `cache_reset()` (orphans) are not in it: a reset forgets.
+        self.moved: collections.deque = collections.deque(maxlen=POISONINGS)  # of (number, weak ref)
+        self.moves = 0
 
 
 _state = _State(0)
@@ -302,13 +324,45 @@ def count_hit(entry: Entry, uses: int = 1) -> None:
         _state.hits += uses
 
 
-def lookup(key: Key) -> Entry | None:
-    """The live entry for `key`, counted as a hit, or None (nothing counted)."""
-    with _lock:
-        entry = _state.entries.get(key)
-        if entry is not None:
-            count_hit(entry)
+def _serving(key: Key) -> Entry | None:
+    """The live entry that serves `key` (under `_lock`): the one stored under it, else one whose trace
+    read only GraphConst fields that `key` fingerprints alike (with every other component equal). Its
+    trace would run again exactly as it ran: the same hooks, argument types and options, and the same
+    values for every field it read (values a trace reads in any other way are in its closure)."""
+    entry = _state.entries.get(key)
+    if entry is not None or not key.fields:
         return entry
+    mine, rest = dict(key.fields), key.without_fields()
+    for entry in _state.entries.values():
+        if entry.reads is None or not entry.key.fields or entry.key.without_fields() != rest:
+            continue
+        theirs = dict(entry.key.fields)
+        if theirs.keys() == mine.keys() and all(theirs[n] == mine[n] for n in entry.reads if n in mine):
+            return entry
+    return None
+
+
+def lookup(key: Key) -> Entry | None:
+    """The live entry serving `key`, counted as a hit, or None (nothing counted)."""
+    with _lock:
+        entry = _serving(key)
+        if entry is not None:
+            _served(entry)
+        return entry
+
+
+def _served(entry: Entry) -> None:
+    """A handle takes `entry` (under `_lock`): a hit, or, the first time for a program compiled in the
+    background, what its compile on demand would have been: no hit (its miss was counted when it was
+    made), filed as the newest entry, and the compile event front ends follow (the live panel)."""
+    if not entry.untaken:
+        count_hit(entry)
+        return
+    entry.untaken = False
+    if _state.entries.get(entry.key) is entry:
+        del _state.entries[entry.key]
+        _state.entries[entry.key] = entry
+    _events.publish("compile", entry)
 
 
 class Claim:
@@ -324,15 +378,20 @@ class Claim:
         self.awaited = False  # another thread waits for it (a compile ahead held back then goes on)
 
 
-def claim(key: Key) -> tuple[Entry | None, Claim | None]:
+def claim(key: Key, generation: int | None = None) -> tuple[Entry | None, Claim | None]:
     """Single-flight compiling: `(entry, None)` when `key` is live (counted as a hit), or was compiled
     by another thread while this one waited for it (the same); else `(None, claim)`: compile it, then
-    `store(entry, claim)`, or `release(claim, error)` if the compile raised."""
+    `store(entry, claim)`, or `release(claim, error)` if the compile raised. With `generation` (a
+    compile ahead's), `(None, None)` once the cache is past it: a `cache_reset()` since the job was
+    planned, whose counters a background compile must never move."""
     while True:
         with _lock:
-            entry = _state.entries.get(key)
+            if generation is not None and generation != _state.generation:
+                return None, None
+            entry = _serving(key)
             if entry is not None:
-                count_hit(entry)
+                if generation is None:  # a background compile finding it counts nothing
+                    _served(entry)
                 return entry, None
             pending = _state.compiling.get(key)
             if pending is None:
@@ -362,7 +421,19 @@ def store(entry: Entry, claimed: Claim | None = None) -> None:
             state.compiling.pop(claimed.key, None)
             claimed.entry = entry
             claimed.done.set()
-    _events.publish("compile", entry)
+    if not entry.untaken:  # one compiled ahead is said when a handle takes it (`_served`)
+        _events.publish("compile", entry)
+
+
+def moved_since(mark: tuple | None) -> tuple[tuple, list]:
+    """`(mark, entries)`: the served entries an edit poisoned since `mark` (an earlier call's mark; None:
+    none yet), in this cache generation only, and the mark to pass next time. `_ahead` compiles the
+    replacements of these, and of nothing else: a `cache_reset()` starts a generation with none."""
+    with _lock:
+        now = (_state.generation, _state.moves)
+        since = mark[1] if mark is not None and mark[0] == now[0] else 0
+        found = [e for n, ref in _state.moved if n > since and (e := ref()) is not None]
+    return now, found
 
 
 def awaited(key: Key) -> bool:
@@ -373,13 +444,15 @@ def awaited(key: Key) -> bool:
 
 
 def peek(key: Key) -> Entry | None:
-    """The live entry for `key`, or None, counting nothing (`_ahead` reads a stored program's outputs)."""
-    return _state.entries.get(key)
+    """The live entry serving `key`, or None, counting nothing (`_ahead` reads a stored program's outputs)."""
+    with _lock:
+        return _serving(key)
 
 
 def known(key: Key) -> bool:
-    """True when `key` is live or being compiled (nothing counted): `_ahead` need not compile it."""
-    return key in _state.entries or key in _state.compiling
+    """True when `key` is served or being compiled (nothing counted): `_ahead` need not compile it."""
+    with _lock:
+        return key in _state.compiling or _serving(key) is not None
 
 
 def store_if_current(entry: Entry, claimed: Claim) -> tuple:
@@ -411,18 +484,25 @@ def discard(key: Key) -> None:
         _state.entries.pop(key, None)
 
 
-def poison(entry: Entry, drifted) -> None:
-    """Never serve `entry` again; handles that hold it keep running it (fixed point) and are told so."""
+def poison(entry: Entry, drifted) -> bool:
+    """Never serve `entry` again; handles that hold it keep running it (fixed point) and are told so.
+    Returns whether it is recorded as poisoned: a program compiled ahead that no handle ever ran is
+    dropped instead, unsaid (the user never had it; with compile ahead off it would not exist)."""
     with _lock:
         if entry.poisoned:
-            return
+            return False
         entry.poisoned = True
         entry.drifted = tuple(drifted)
         served = _state.entries.get(entry.key) is entry
         if served:
             del _state.entries[entry.key]
+            _state.moves += 1
+            _state.moved.append((_state.moves, weakref.ref(entry)))
         _state.orphans.discard(entry)
+        if entry.untaken:
+            return False
         _state.poisoned.append(Poisoned(entry, served))
+        return True
 
 
 def revive(entry: Entry) -> None:
@@ -475,6 +555,25 @@ def _wraps_user_code(fn) -> bool:
     return False
 
 
+_evictions = [0]  # how many times `evict_user_traces` ran: a trace that saw it move may hold old ones
+
+
+def evictions() -> int:
+    """A counter `evict_user_traces` moves: a thread that traced while it moved (a compile ahead, a
+    trace-reuse warming) may have cached an inner trace of the old code, and evicts again (`_compile`)."""
+    return _evictions[0]
+
+
+def evict_user_traces() -> None:
+    """Drop JAX's cached traces of the user's own functions. JAX caches the traces of inner `jax.jit` /
+    `checkpoint` functions by identity; a recompile after an edit would otherwise rebuild around the
+    old inner trace of a helper that changed. Only user functions' traces go: the user's other compiled
+    `jax.jit` functions keep theirs."""
+    _evictions[0] += 1
+    if not evict_traces(_wraps_user_code):
+        jax.clear_caches()
+
+
 def _scan() -> None:
     with _lock:
         # The world this scan checks against: a bump while it runs (the watcher's thread) scans again.
@@ -487,6 +586,7 @@ def _scan() -> None:
 def _scan_entries() -> None:
     memo: dict = {}
     poisoned, names = [], []
+    evict = False  # a program was poisoned (said, or an unused one compiled ahead dropped)
     disk: list[str] = []
     held = _held_poisoned()
     for entry in [*_state.entries.values(), *_state.orphans.alive()]:
@@ -495,9 +595,10 @@ def _scan_entries() -> None:
             continue
         drifted = closure.drift(memo)
         if drifted:
-            poison(entry, drifted)
-            poisoned.append(entry)
-            names.extend(n for n in drifted if n not in names)
+            evict = True
+            if poison(entry, drifted):
+                poisoned.append(entry)
+                names.extend(n for n in drifted if n not in names)
         else:
             disk.extend(n for n in closure.disk_edits(memo) if n not in disk)
     # An edit reverted (its dependencies fingerprint as at compile time again) makes a poisoned entry
@@ -511,12 +612,9 @@ def _scan_entries() -> None:
     _state.disk_reported &= set(disk)
     disk = [n for n in disk if n not in _state.disk_reported]
     _state.disk_reported.update(disk)
+    if evict:
+        evict_user_traces()
     if poisoned:
-        # JAX caches the traces of the user's own inner `jax.jit` / `checkpoint` functions by identity;
-        # a recompile would otherwise rebuild around the old inner trace of a helper that changed. Only
-        # user functions' traces go: the user's other compiled `jax.jit` functions keep theirs.
-        if not evict_traces(_wraps_user_code):
-            jax.clear_caches()
         # A `nitro_ipy.jit` function's programs are not said here: its next call recompiles and its one
         # compile line names what changed (`_jit.py`).
         said = [e for e in poisoned if e.kind != "jit"]

@@ -123,7 +123,7 @@ def compile_program(
 def compile_ahead(key, fn, args, *, donate_argnums: tuple = (), info: dict | None = None,
                   record: Callable | None = None, compiler_options: dict | None = None,
                   sources: dict | None = None, out_shardings=None,
-                  ahead: str = _report.AFTER_EDIT) -> tuple:
+                  ahead: str = _report.AFTER_EDIT, generation: int | None = None) -> tuple:
     """`compile_program` for a background thread (`_ahead`): the same claim, build and store, but it
     says nothing and raises nothing. A program whose dependencies drifted while it compiled is dropped,
     not served; a compile that raised leaves the key unclaimed, so the handle that needs the program
@@ -132,11 +132,13 @@ def compile_ahead(key, fn, args, *, donate_argnums: tuple = (), info: dict | Non
 
     **Returns:** `(status, entry, detail)`: `("compiled", entry, messages)` (the messages to say later,
     from the main thread), `("had", entry, None)` when the key was live already (counted as a hit, as a
-    rebuilt handle's lookup would), `("drifted", None, names)`, or `("failed", None, error)`.
+    rebuilt handle's lookup would), `("drifted", None, names)`, `("failed", None, error)`, or
+    `("cancelled", None, None)` when the cache was reset since `generation` (the cache's generation when
+    the job was planned): nothing compiled, nothing counted.
     """
-    entry, claimed = _cache.claim(key)
+    entry, claimed = _cache.claim(key, generation)
     if claimed is None:
-        return "had", entry, None
+        return ("had", entry, None) if entry is not None else ("cancelled", None, None)
     try:
         entry = _load_or_build(key, fn, args, donate_argnums, info, record, compiler_options, sources,
                                out_shardings)
@@ -146,6 +148,7 @@ def compile_ahead(key, fn, args, *, donate_argnums: tuple = (), info: dict | Non
     except BaseException:
         _cache.release(claimed, None)
         raise
+    entry.untaken = True  # counted as the miss it is; its first taking counts no hit (`_cache._served`)
     drifted = _cache.store_if_current(entry, claimed)
     if drifted:
         return "drifted", None, drifted
@@ -200,7 +203,7 @@ class FirstRun:
             _store.forget(entry.key, f"loaded, but its first run failed: {type(err).__name__}: {first[:200]}")
             fresh = self.rebuild(args)
             for name in ("call", "trace_s", "compile_s", "closure", "compiler_options", "operations",
-                         "constants", "origin", "unstorable"):
+                         "constants", "origin", "unstorable", "reads"):
                 setattr(entry, name, getattr(fresh, name))
             _save(entry)
             _report.emit(Kind.COMPILE, entry=entry)
@@ -247,6 +250,39 @@ _reuse.IDLE.append(_no_build)
 _reuse.WHILE_TRACING.append(gc_paused)
 
 
+def _fresh(fn):
+    """`fn` under a new identity: JAX caches a function's traces by identity."""
+
+    def again(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return again
+
+
+def _trace(jitted, fn, args, record) -> tuple:
+    """`(traced, closure, reads)`: `jitted` traced at `args`, under `record` when given (its closure, and
+    the experiment fields the trace read; None when unknown)."""
+    with gc_paused():
+        try:
+            if record is None:
+                return jitted.trace(*args), None, None
+            # Only the trace runs user Python; lowering stays outside the recorder (and off a profiler hook).
+            with record() as recorder:
+                traced = jitted.trace(*args)
+                recorder.traced(traced.jaxpr, fn)
+        except Exception as err:
+            hint = library_hint(err)
+            if hint is not None and hint not in getattr(err, "__notes__", ()):
+                err.add_note(hint)
+            raise
+    closure, reads = recorder.closure, recorder.fields
+    if closure is not None and closure.untracked:
+        # It read a value with no fingerprint: what that value holds may come from a GraphConst field
+        # it never read (docs/recompilation.md), so every field keys it.
+        reads = None
+    return traced, closure, reads
+
+
 def _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, why=None, out_shardings=None):
     """Trace (recording), lower and XLA-compile: the `Entry`, not yet stored."""
     with _gc_lock:
@@ -259,25 +295,23 @@ def _build(key, fn, args, donate_argnums, info, record, compiler_options, source
             _building[0] -= 1
 
 
+# A trace during which an edit's scan evicted the user's cached inner traces may have cached one of the
+# old code again (it read the old helper before the edit): it is traced again, at most this many times.
+RETRACES = 3
+
+
 def _trace_and_compile(key, fn, args, donate_argnums, info, record, compiler_options, sources, why, out_shardings):
     placed = {} if out_shardings is None else {"out_shardings": out_shardings}
     jitted = jax.jit(fn, donate_argnums=donate_argnums, **placed)
     t0 = time.perf_counter()
+    for _ in range(RETRACES):
+        evictions = _cache.evictions()
+        traced, closure, reads = _trace(jitted, fn, args, record)
+        if _cache.evictions() == evictions:
+            break
+        _cache.evict_user_traces()  # what this trace cached may be the old code's: traced again, clean,
+        jitted = jax.jit(_fresh(fn), donate_argnums=donate_argnums, **placed)  # past JAX's cache of `fn`'s
     with gc_paused():
-        try:
-            if record is not None:
-                # Only the trace runs user Python; lowering stays outside the recorder (and off a profiler hook).
-                with record() as recorder:
-                    traced = jitted.trace(*args)
-                    recorder.traced(traced.jaxpr, fn)
-                closure = recorder.closure
-            else:
-                traced, closure = jitted.trace(*args), None
-        except Exception as err:
-            hint = library_hint(err)
-            if hint is not None and hint not in getattr(err, "__notes__", ()):
-                err.add_note(hint)
-            raise
         lowered = traced.lower()
     # A program the store cannot hold still skips XLA after a restart, through JAX's own cache.
     on = record is not None and _store.cache_dir() is not None
@@ -301,7 +335,7 @@ def _trace_and_compile(key, fn, args, donate_argnums, info, record, compiler_opt
     return _cache.Entry(
         key, compiled, t1 - t0, t2 - t1, closure, info or {}, why, compiler_options=used,
         operations=sum(1 for _ in jaxpr_eqns([traced.jaxpr])),
-        constants=large_constants(traced.jaxpr, closure, sources), unstorable=unstorable,
+        constants=large_constants(traced.jaxpr, closure, sources), unstorable=unstorable, reads=reads,
     )
 
 

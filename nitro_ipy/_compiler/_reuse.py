@@ -102,14 +102,15 @@ class Forward:
     `call(dev, params, trainable, inputs, state, key) -> (outputs, state)` is the forward as the gradient
     program calls it; `root` is the forward hook (where the traceback recorder looks for its globals)."""
 
-    __slots__ = ("call", "root", "jitted", "sig", "kept", "closure", "__weakref__")
+    __slots__ = ("call", "root", "jitted", "sig", "kept", "closure", "fields", "__weakref__")
 
     def __init__(self, call, root):
         self.call, self.root = call, root
         self.jitted = jax.jit(self._trace)
         self.sig = None  # (treedef, avals) of the arguments it was traced for
-        self.kept = ((), ())  # what the recording of its trace saw (`_closure.replay`)
+        self.kept = ((), (), ())  # what the recording of its trace saw (`_closure.replay`)
         self.closure = None  # that recording's closure: the freshness test
+        self.fields = frozenset()  # the experiment fields its trace read (the compile view saw each read)
 
     def _trace(self, *args):
         """Runs only when JAX has no trace of this call for these argument types."""
@@ -118,6 +119,7 @@ class Forward:
         if self.sig is not None:
             stats["retraced"] += 1
         self.sig = _signature(args)
+        self.fields = recording.fields  # seen as the Python ran, whatever the mode
         if recording.mode != "traceback":  # the traceback mode reads the jaxpr, after the trace (`finish`)
             self.kept, self.closure = recording.kept, recording.closure
         return out
@@ -139,7 +141,8 @@ class Forward:
         abstract = treedef.unflatten([jax.ShapeDtypeStruct(s, d, weak_type=w) for s, d, w in avals])
         with _closure.record(keep=True) as recording:
             recording.traced(self.jitted.trace(*abstract).jaxpr, self.root)
-        self.kept, self.closure = recording.kept, recording.closure
+        frames, attrs, _ = recording.kept  # (no Python ran in this trace: the fields read are the first's)
+        self.kept, self.closure = (frames, attrs, self.fields), recording.closure
 
     def fresh(self) -> bool:
         closure = self.closure
@@ -150,11 +153,15 @@ def warm(key, forward: Forward, program, args) -> bool:
     """Trace `program` (the gradient program, calling through `forward`) for `args`, so that JAX caches
     the forward's trace and derivative; then keep `forward` for the next program keyed `key`. Returns
     whether `forward` was kept."""
+    evictions = _cache.evictions()
     try:
         with _quiet():
             jax.jit(program).trace(*args)
         forward.finish()
     except Exception:  # an optimisation only: the next build traces plainly and warms again
+        return False
+    if _cache.evictions() != evictions:  # an edit's scan ran meanwhile: what this trace cached of the
+        _cache.evict_user_traces()  # user's inner functions may be the old code's
         return False
     if not forward.fresh():  # the code moved while it traced
         return False

@@ -188,8 +188,10 @@ def summarise_inputs(entry) -> str:
 
 
 def _row_state(entry) -> str:
+    ahead = entry.info.get("ahead")  # made in the background after an edit: for which handle
     if not entry.poisoned:
-        return "live, from disk" if entry.origin == "disk" else "live"
+        state = "live, from disk" if entry.origin == "disk" else "live"
+        return f"{state}, {ahead}" if ahead else state
     return f"poisoned ({', '.join(entry.drifted)})" if entry.drifted else "poisoned"
 
 

@@ -92,14 +92,16 @@ class Binding:
 
     def view(self, dev) -> CompileView:
         """The `self` traced hooks see, with Device values `dev` (traced arrays inside a program)."""
-        return CompileView(self.cls, {**self.graphconst.values, **dev}, self.hosts, _closure.note_class_attr)
+        return CompileView(self.cls, {**self.graphconst.values, **dev}, self.hosts, _closure.note_class_attr,
+                           _closure.note_field_read)
 
     @property
     def viewer(self):
         """`view` as a function holding only what a view needs (the class, the GraphConst values, the
         Host names), not this binding, whose splits hold the data (`_reuse` keeps it past the handle)."""
         cls, consts, hosts = self.cls, self.graphconst.values, self.hosts
-        return lambda dev: CompileView(cls, {**consts, **dev}, hosts, _closure.note_class_attr)
+        return lambda dev: CompileView(cls, {**consts, **dev}, hosts, _closure.note_class_attr,
+                                       _closure.note_field_read)
 
     @property
     def graphconst_sources(self) -> dict:

@@ -154,19 +154,27 @@ class CompileView:
     Methods and class attributes come from `cls` (the live class the handle bound), so a hook calling
     `self.helper(...)` runs the helper the class defines now. Reading a Host field raises
     `HostFieldAccessError`.
+
+    Every read of a field goes to `on_read(name)` (the dependency recorder's `note_field_read`), and a
+    read of a class attribute to `on_attr(cls, name, attr)`: a program's key is matched on the GraphConst
+    fields its trace read, so the view is the one way to them (its `repr` reads them all).
     """
 
-    __slots__ = ("_nitro_cls", "_nitro_values", "_nitro_hosts", "_nitro_on_attr")
+    __slots__ = ("_nitro_cls", "_nitro_values", "_nitro_hosts", "_nitro_on_attr", "_nitro_on_read")
 
-    def __init__(self, cls, values: dict, hosts: tuple, on_attr=None):
+    def __init__(self, cls, values: dict, hosts: tuple, on_attr=None, on_read=None):
         object.__setattr__(self, "_nitro_cls", cls)
         object.__setattr__(self, "_nitro_values", values)
         object.__setattr__(self, "_nitro_hosts", hosts)
         object.__setattr__(self, "_nitro_on_attr", on_attr)
+        object.__setattr__(self, "_nitro_on_read", on_read)
 
     def __getattr__(self, name):
         values = object.__getattribute__(self, "_nitro_values")
         if name in values:
+            on_read = object.__getattribute__(self, "_nitro_on_read")
+            if on_read is not None:
+                on_read(name)
             return values[name]
         cls = object.__getattribute__(self, "_nitro_cls")
         if name in object.__getattribute__(self, "_nitro_hosts"):
@@ -188,6 +196,9 @@ class CompileView:
     def __repr__(self):
         cls = object.__getattribute__(self, "_nitro_cls")
         values = object.__getattribute__(self, "_nitro_values")
+        on_read = object.__getattribute__(self, "_nitro_on_read")
+        for name in values if on_read is not None else ():
+            on_read(name)  # a repr shows every field: a program that prints the view depends on them all
         inner = ", ".join(f"{k}={v!r}" for k, v in values.items())
         return f"compile_view({cls.__qualname__}({inner}))"
 

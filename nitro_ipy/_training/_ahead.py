@@ -1,12 +1,18 @@
-"""Compile ahead: after an edit poisons programs a live handle runs (or re-runs the cell defining its
-class), their replacements compile in the background, under the keys a rebuilt handle will ask for, so
-`n.rebuild()` finds them ready.
+"""Compile ahead: after an edit poisons programs, the replacements of the programs that edit moved compile
+in the background, under the keys a rebuilt handle will ask for, so `n.rebuild()` finds them ready.
 
-- Live handles are tracked weakly (`track`), each with the recipe of every program it resolved
-  (`resolved`): its spec, hook, batch fields and the shapes of its arguments. That is all a replacement
-  needs: `after_edit` (the extension's post-cell hook, or `bump_world(ahead=True)` in a script) scans,
-  rebinds each stale handle's experiment through its live class exactly as `rebuild()` would, keys each
-  poisoned program's replacement with `program_key`, and queues the ones no one compiled yet.
+The rule, applied in one place (`after_edit`: the extension's post-cell hook, or `bump_world(ahead=True)`
+in a script; docs/recompilation.md states it for users):
+- only after an edit that poisoned programs since the last cell (`_cache.moved_since`: served entries of
+  this cache generation; `cache_reset()` forgets and never starts a compile; a no-op edit starts nothing);
+- only the programs that edit moved: a handle's program whose entry is poisoned (`_staleness.stale`) or
+  whose key, recomposed against the live code exactly as `rebuild()` keys it (`_staleness.rebind`,
+  `rebound_model`), moved, and that the cache does not serve;
+- only for the handles the user can run next (`targets`): bound to a name in the user's namespace, not
+  superseded by their own `rebuild()` result or by a newer bound handle of the same experiment class;
+- a newer edit cancels the queued work for the programs it moves again (`_planned`), and nothing else.
+Live handles are tracked weakly (`track`), each with the recipe of every program it resolved
+(`resolved`): its spec, hook, batch fields and the shapes of its arguments.
 - Two worker threads compile them, in order, through `_compile.compile_ahead` (the cache's single-flight
   claim: a rebuild that needs a program in flight waits for it, never a second copy). One traces at a
   time; the next job starts as soon as the one before reaches XLA (`WORKERS`), so the evaluation
@@ -27,7 +33,9 @@ Off with `set_compile_ahead(False)`, `%nitro_ahead off`, or `NITRO_IPY_AHEAD=0` 
 
 import atexit
 import collections
+import itertools
 import os
+import sys
 import threading
 import time
 import weakref
@@ -39,12 +47,12 @@ import numpy as np
 from .. import _closure
 from .._base import _events, _memo, _report, _sharding, _world
 from .._base._compat import compiled_out_avals
-from .._base._live import live_class, live_value
+from .._base._live import live_value
+from .._base._origin import user_namespaces
 from .._compiler import _cache, _compile, _reuse
-from .._experiment._binding import bind
 from .._experiment._data import split_len
-from .._experiment._model import Model, ParamSplit
 from ._programs import EVAL, METRIC, SPECS, program_key
+from ._staleness import rebind, rebound_model, stale
 
 ENV = "NITRO_IPY_AHEAD"
 # The workers' niceness (Linux sets it per thread). It covers the trace and lowering, which run in the
@@ -92,6 +100,8 @@ class Job(NamedTuple):
     out_shardings: object = None  # on a mesh: where the outputs go, as the handle compiles it
     then: object = None  # `then(entry)` -> the jobs that follow once this one's program exists
     mesh: object = None  # the handle's mesh: traced under it as the handle's methods trace (`in_mesh`)
+    target: str = ""  # the names of the handle it is for (`%nitro_stats` says so)
+    generation: int = -1  # the cache's generation when planned: a `cache_reset()` since cancels it
 
 
 class Outcome(NamedTuple):
@@ -103,6 +113,13 @@ class Outcome(NamedTuple):
 
 
 _recipes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # handle -> {key: Recipe}
+_born: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # handle -> its place in creation order
+_births = itertools.count()
+_successors: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # handle -> weak ref to its rebuild
+# handle -> {key of a program it runs: the key of the replacement planned for it}: what a newer edit that
+# moves that program again cancels
+_planned: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_mark = None  # `_cache.moved_since`'s mark at the last `after_edit`: poisonings after it are the new edit's
 _cv = threading.Condition()
 _queue: collections.deque = collections.deque()
 _wanted: set = set()  # keys still wanted: a job whose key left it (a newer edit) is dropped, not compiled
@@ -206,6 +223,7 @@ _reuse.IDLE.append(_quiet_now)
 def track(handle) -> None:
     """Follow `handle` (weakly) so an edit that poisons its programs compiles their replacements."""
     _recipes[handle] = {}
+    _born[handle] = next(_births)
 
 
 def resolved(handle, spec, key, args: tuple, hook: str | None, fields: dict) -> None:
@@ -233,103 +251,167 @@ def say(key=None) -> None:
         _report.send(msg)
 
 
-def after_edit() -> int:
-    """Scan for drift now and queue the replacements of the poisoned programs live handles run.
-    Returns how many were queued. A no-op when off or when no live handle ran a program."""
+def rebuilt(old, new) -> None:
+    """`old.rebuild()` returned `new`: while `new` lives, `old` is superseded (no compile ahead for it)."""
+    if old in _recipes:
+        _successors[old] = weakref.ref(new)
+
+
+def targets(namespaces=()) -> list:
+    """`[(handle, names)]`: the handles the user can run next, the only ones compiled ahead for. A handle
+    is one when a name binds it in the user's namespace (the notebook's; `namespaces` add others, a
+    script's frame) and nothing supersedes it: neither its `rebuild()` result, while that lives, nor a
+    newer handle of the same experiment class bound to a name (`n2 = Nitro(e)` after `n = Nitro(e)`).
+    History names (`_`, `_12`, `Out`) and names starting with `_` do not count."""
+    tracked = {id(h): h for h in list(_recipes.keys())}
+    if not tracked:
+        return []
+    names: dict = {}
+    for ns in [user_namespaces()[0][1], *namespaces]:
+        for name, value in list(ns.items()):
+            if id(value) in tracked and isinstance(name, str) and name.isidentifier() and not name.startswith("_"):
+                names.setdefault(id(value), set()).add(name)
+    bound = [tracked[i] for i in names]
+    newest: dict = {}  # experiment class (module.qualname) -> the newest bound handle's birth
+    for h in bound:
+        newest[h._binding.owner] = max(newest.get(h._binding.owner, -1), _born.get(h, -1))
+    out = []
+    for h in sorted(bound, key=lambda h: _born.get(h, -1)):
+        successor = _successors.get(h)
+        if successor is not None and successor() is not None:
+            continue  # rebuilt: its rebuild is what the user runs next
+        if _born.get(h, -1) < newest[h._binding.owner]:
+            continue  # an older handle of the same experiment class
+        out.append((h, tuple(sorted(names[id(h)]))))
+    return out
+
+
+def after_edit(namespaces=()) -> int:
+    """The compile-ahead rule, applied after a cell (or `bump_world(ahead=True)`): scan for drift, and if
+    an edit poisoned programs since the last call (in this cache generation: a `cache_reset()` forgets),
+    queue the replacements of the programs that edit moved, for the `targets` holding them. A newer edit
+    drops queued work for the programs it moves again. Returns how many jobs were queued; 0 when off,
+    when no edit poisoned anything (a no-op edit, a reset, a cell that only trains), or when no live
+    handle ran a program."""
+    global _mark
     if not _enabled or not any(_recipes.values()):
+        _mark = _cache.moved_since(_mark)[0]  # poisonings while off are never compiled for later
         return 0
     _cache.ensure_fresh()
-    wanted: set = set()
-    jobs = plan(wanted)
-    if not jobs and not _queue and not _busy:
+    _mark, moved = _cache.moved_since(_mark)
+    with _cv:
+        pending = bool(_queue or _busy)
+    if not moved and not pending:
         return 0
-    return _submit(jobs, wanted)
+    jobs, wanted, dropped = plan(moved, namespaces)
+    return _submit(jobs, wanted, dropped)
 
 
 def bump_world(ahead: bool = False) -> int:
     """Mark that code may have changed (`importlib.reload`, a redefinition in a script); returns the new
-    world. With `ahead=True`, also start compiling the replacements of the programs the change poisoned
-    in live handles, in the background, as the notebook extension does after every cell."""
+    world. With `ahead=True`, also start compiling, in the background, the replacements of the programs
+    the change poisoned, for the handles bound to a name in the caller's frame or `__main__` (as the
+    notebook extension does after every cell, for the notebook's names)."""
     w = _world.bump_world()
     if ahead:
-        after_edit()
+        caller = sys._getframe(1)
+        try:
+            after_edit((caller.f_locals, caller.f_globals))
+        finally:
+            del caller
     return w
 
 
-def plan(wanted: set | None = None) -> list[Job]:
-    """The programs a rebuild of each live, stale handle will ask for (the keys of every program it ran,
-    recomposed against the live code) that the cache lacks; `wanted` also gets the keys of those it
-    has or is compiling."""
-    jobs, seen = [], set()
-    for handle, recipes in list(_recipes.items()):
-        if _across_processes(handle):
+def plan(moved=(), namespaces=()) -> tuple[list, set, set]:
+    """`(jobs, wanted, dropped)` for an edit that poisoned the entries `moved`: for each of the `targets`
+    the edit touched (it runs a moved entry, a replacement compiled for it moved again, or work is due
+    for it), the replacement of each program whose entry is poisoned or whose key moved (recomposed
+    against the live code, exactly as `rebuild()` keys it) that the cache lacks. `wanted` gets the
+    replacement keys the cache has or is compiling too; `dropped` the keys of replacements planned
+    before that this edit moved again (or reverted): their queued work is cancelled."""
+    moved_keys = {e.key for e in moved}
+    with _cv:
+        due = set(_wanted)
+    jobs, wanted, dropped, seen = [], set(), set(), set()
+    for handle, names in targets(namespaces):
+        recipes = _recipes.get(handle) or {}
+        planned = _planned.setdefault(handle, {})
+        if _across_processes(handle) or not recipes:
             continue
-        # Stale: a program it runs was poisoned (a helper, a global moved), or its class cell was re-run
-        # (the rebuild binds the new class, whose hooks key new programs; the old ones stay valid).
-        poisoned = any(e.poisoned for e in handle._programs.values())
-        if not recipes or not (poisoned or live_class(handle._binding.cls) is not handle._binding.cls):
+        entries = handle._programs
+        touched = any(k in moved_keys or entries[k] in moved for k in recipes if k in entries) or any(
+            k in moved_keys or k in due for k in planned.values())
+        if not touched or not stale(handle, scan=False).programs and not planned:
             continue
         try:  # exactly what `rebuild()` binds; an error here is the rebuild's to raise, in the foreground
-            b = bind(handle.experiment, handle._binding.splits, handle._options["schedules"])
+            b = rebind(handle)
         except Exception:  # noqa: BLE001
             continue
-        model = None  # made for the first job only: most scans find every key compiled or in flight
-        eval_key, metrics, mine = None, [], []
-        for r in list(recipes.values()):
-            # Instances of a re-run class cell in the arguments (an Equinox model as the params) take the
-            # live class, as `rebuild()` re-binds the training state: else the key is the old program's.
-            args = live_value(r.args)
-            if r.spec is METRIC:  # keyed below, from the evaluation program's outputs
+        jobs += _plan_handle(handle, names, b, recipes, planned, wanted, dropped, seen)
+    return sorted(jobs, key=lambda j: _ORDER.get(j.spec.kind, len(_ORDER))), wanted, dropped - wanted
+
+
+def _plan_handle(handle, names, b, recipes, planned, wanted, dropped, seen) -> list:
+    """The jobs of one target `handle` against its rebuild's binding `b` (`plan`)."""
+    model = None  # made for the first job only: most scans find every key compiled or in flight
+    eval_key, metrics, mine = None, [], []
+    target = ", ".join(f"`{n}`" for n in names)
+    generation = _cache.generation()
+    for slot, r in list(recipes.items()):
+        entry = handle._programs.get(slot)
+        # Instances of a re-run class cell in the arguments (an Equinox model as the params) take the
+        # live class, as `rebuild()` re-binds the training state: else the key is the old program's.
+        args = live_value(r.args)
+        if r.spec is METRIC:  # keyed below, from the evaluation program's outputs
+            if entry is not None and entry.poisoned:
                 metrics += metric_request(r.hook, args)
-                continue
-            key = program_key(r.spec, b, args, handle._settings, r.hook)
-            if key in _failed:
-                continue
-            if wanted is not None:
-                wanted.add(key)  # in flight already counts: a job holding it goes on
-            if r.spec is EVAL and eval_key is None:
-                eval_key = key
-            if key in seen or _cache.known(key):
-                continue
-            seen.add(key)
-            if model is None:
-                model = _rebound_model(handle, b)
-            fn = r.spec.build(b, model, handle.accum, r.hook, **r.fields)
-            mine.append(Job(key, fn, args, r.spec, b, mesh=handle._place.mesh,
-                            out_shardings=handle._place.out_shardings(r.spec.kind, args, model)))
-        if metrics and eval_key is not None:
-            # A device metric's arguments are the evaluation program's outputs, whose shapes an edit can
-            # change (a forward that now returns another shape): its replacements are keyed from the
-            # replacement evaluation program's outputs, once that program exists, never from the shapes
-            # the old one gave. One in flight already (an earlier scan's job) queues them when it ends.
-            model = _rebound_model(handle, b) if model is None else model
-            then = _metrics_after(handle, metrics, b, model)
-            queued = [i for i, j in enumerate(mine) if j.key == eval_key]
-            stored = _cache.peek(eval_key)
-            if queued:
-                mine[queued[0]] = mine[queued[0]]._replace(then=then)
-            elif stored is not None:
-                for job in then(stored):
-                    if wanted is not None:
-                        wanted.add(job.key)
-                    if job.key not in seen:
-                        seen.add(job.key)
-                        mine.append(job)
-        jobs += mine
-    return sorted(jobs, key=lambda j: _ORDER.get(j.spec.kind, len(_ORDER)))
-
-
-def _rebound_model(handle, b) -> Model:
-    """The `Model` a rebuild of `handle` builds its programs with, against binding `b`: the parameter
-    tree's user classes re-bound to the live code (an Equinox model's, after its cell re-ran), split and
-    laid out again, and `b`'s hooks' reserved parameters. `handle._model` itself when none of it moved."""
-    old = handle._model
-    params = old.split.combine(handle._params)
-    live = live_value(params)
-    if live is params and old.has_state == b.has_state and old.reserved == b.reserved:
-        return old
-    split = ParamSplit(live)
-    return Model(split, type(handle._layout)(split.trainable(split.dynamic(live))), b.has_state, b.reserved)
+            continue
+        key = program_key(r.spec, b, args, handle._settings, r.hook)
+        is_moved = (entry is not None and entry.poisoned) or key != slot
+        if r.spec is EVAL and eval_key is None:
+            eval_key = key
+            if is_moved:  # the outputs' shapes may have moved: every device metric is keyed anew
+                metrics = [m for rr in recipes.values() if rr.spec is METRIC
+                           for m in metric_request(rr.hook, live_value(rr.args))]
+        before = planned.get(slot)
+        if not is_moved:  # current (an edit reverted): nothing due for it
+            if before is not None:
+                dropped.add(before)
+                del planned[slot]
+            continue
+        if before is not None and before != key:
+            dropped.add(before)  # moved again: the earlier edit's replacement is not what a rebuild asks
+        planned[slot] = key
+        if key in _failed:
+            continue
+        wanted.add(key)  # in flight already counts: a job holding it goes on
+        if key in seen or _cache.known(key):
+            continue
+        seen.add(key)
+        if model is None:
+            model = rebound_model(handle, b)
+        fn = r.spec.build(b, model, handle.accum, r.hook, **r.fields)
+        mine.append(Job(key, fn, args, r.spec, b, mesh=handle._place.mesh,
+                        out_shardings=handle._place.out_shardings(r.spec.kind, args, model),
+                        target=target, generation=generation))
+    if metrics and eval_key is not None:
+        # A device metric's arguments are the evaluation program's outputs, whose shapes an edit can
+        # change (a forward that now returns another shape): its replacements are keyed from the
+        # replacement evaluation program's outputs, once that program exists, never from the shapes
+        # the old one gave. One in flight already (an earlier scan's job) queues them when it ends.
+        model = rebound_model(handle, b) if model is None else model
+        then = _metrics_after(handle, metrics, b, model, target)
+        queued = [i for i, j in enumerate(mine) if j.key == eval_key]
+        stored = _cache.peek(eval_key)
+        if queued:
+            mine[queued[0]] = mine[queued[0]]._replace(then=then)
+        elif stored is not None:
+            for job in then(stored):
+                wanted.add(job.key)
+                if job.key not in seen:
+                    seen.add(job.key)
+                    mine.append(job)
+    return mine
 
 
 def _across_processes(handle) -> bool:
@@ -365,7 +447,8 @@ def prefetch_eval(handle) -> bool:
         if any(j.key == key for j in _queue):
             return False
         _queue.append(Job(key, fn, args, EVAL, b, _loops, then=then, mesh=handle._place.mesh,
-                          out_shardings=handle._place.out_shardings(EVAL.kind, args, handle._model)))
+                          out_shardings=handle._place.out_shardings(EVAL.kind, args, handle._model),
+                          generation=_cache.generation()))
         _wanted.add(key)
         _start()
         _cv.notify_all()
@@ -396,14 +479,15 @@ def metric_request(name: str, args: tuple) -> list:
     return [(name, leaves[0].shape[0], dev, fields)] if leaves else []
 
 
-def _metrics_after(handle, requests: list, b=None, model=None):
+def _metrics_after(handle, requests: list, b=None, model=None, target: str = ""):
     """An evaluation job's `then`: `metric_jobs` of `requests` once its program exists, for `handle`
     (held weakly) as it is then."""
-    ref = weakref.ref(handle)
-    return lambda entry: metric_jobs(ref(), entry, requests, b, model)
+    ref, generation = weakref.ref(handle), _cache.generation()
+    return lambda entry: metric_jobs(ref(), entry, requests, b, model, target, generation)
 
 
-def metric_jobs(handle, eval_entry, requests: list, b=None, model=None) -> list:
+def metric_jobs(handle, eval_entry, requests: list, b=None, model=None, target: str = "",
+                generation: int = -1) -> list:
     """The device metrics' programs `handle._evaluate` resolves once its evaluation program
     `eval_entry` exists, one per request `(name, rows, dev, fields)` (in validation's order: per batch
     length, full batches and a shorter last one, each metric hook): their arguments are shaped from that
@@ -428,7 +512,8 @@ def metric_jobs(handle, eval_entry, requests: list, b=None, model=None) -> list:
         if key not in seen and key not in _failed and not _cache.known(key):
             seen.add(key)
             jobs.append(Job(key, METRIC.build(b, model, handle.accum, name), args, METRIC, b, mesh=place.mesh,
-                            out_shardings=place.out_shardings(METRIC.kind, args, model)))
+                            out_shardings=place.out_shardings(METRIC.kind, args, model), target=target,
+                            generation=generation))
     return jobs
 
 
@@ -453,31 +538,41 @@ def _follow(job: Job, jobs: list) -> None:
     _queue.extendleft(reversed(fresh))
 
 
-def _submit(jobs: list[Job], wanted=(), prefetches: bool = True) -> int:
-    """A new scan's plan: what is queued and still wanted stays queued, the rest is dropped (a newer
-    edit made it stale), and `jobs` not queued yet join. A training handle's prefetch stays (an edit
-    does not change what that handle runs), unless `prefetches=False` (`cancel`)."""
-    global _wanted
+def _submit(jobs: list[Job], wanted: set, dropped: set) -> int:
+    """A new edit's plan: the queued work it moved again (`dropped`, keys no plan wants now) is dropped,
+    the rest stays queued (other handles' replacements, a training handle's prefetch), and `jobs` not
+    queued yet join."""
     with _cv:
-        ongoing = [j for j in [*_queue, *_busy.values()] if j.after >= 0] if prefetches else []
-        _wanted = set(wanted) | {j.key for j in jobs} | {j.key for j in ongoing}
-        kept = [j for j in _queue if j.key in _wanted]
-        for job in _queue:
-            if job.key not in _wanted:
-                _note(job, "cancelled")
-        queued = {j.key for j in kept}
-        _queue.clear()
-        _queue.extend(kept + [j for j in jobs if j.key not in queued])
+        _wanted.difference_update(dropped)
+        _wanted.update(wanted)
+        _wanted.update(j.key for j in jobs)
+        _drop_unwanted()
+        queued = {j.key for j in _queue}
+        _queue.extend(j for j in jobs if j.key not in queued)
         if _queue:
             _start()
         _cv.notify_all()
     return len(jobs)
 
 
+def _drop_unwanted() -> None:
+    """Take the queued jobs whose key left `_wanted` off the queue (noted "cancelled"). Under `_cv`."""
+    kept = [j for j in _queue if j.key in _wanted]
+    for job in _queue:
+        if job.key not in _wanted:
+            _note(job, "cancelled")
+    _queue.clear()
+    _queue.extend(kept)
+
+
 def cancel() -> None:
     """Drop every queued compile (the one in flight finishes, unless it waits for a step loop; its
-    result is checked for drift)."""
-    _submit([], prefetches=False)
+    result is checked for drift) and forget what was planned."""
+    with _cv:
+        _wanted.clear()
+        _drop_unwanted()
+        _planned.clear()
+        _cv.notify_all()
 
 
 def wait(timeout: float | None = None) -> bool:
@@ -526,9 +621,10 @@ def reset() -> None:
         _held.clear()
         _failed.clear()
         _history.clear()
+        _successors.clear()
 
 
-_memo.register(cancel)  # `cache_reset()` drops the queued jobs (they hold the user's functions)
+_memo.register(cancel)  # `cache_reset()` drops the queued jobs (they hold the user's functions): it forgets
 
 
 # ---------------------------------------------------------------- the worker
@@ -581,10 +677,13 @@ def _work() -> None:
                     _note(job, "cancelled", order=order)
                 continue
             b = job.binding
+            info = {"graphconst": b.graphconst.info}
+            if job.target:
+                info["ahead"] = f"compiled ahead for {job.target}"
             with _sharding.auto_context(job.mesh):
                 status, entry, detail = _compile.compile_ahead(
-                    job.key, job.fn, job.args, donate_argnums=job.spec.donate,
-                    info={"graphconst": b.graphconst.info},
+                    job.key, job.fn, job.args, donate_argnums=job.spec.donate, info=info,
+                    generation=job.generation if job.generation >= 0 else None,
                     record=_closure.record_hooks(b.cls, job.key.hooks),
                     compiler_options=job.spec.compiler_options, sources=b.graphconst_sources,
                     out_shardings=job.out_shardings,
@@ -607,3 +706,6 @@ def _work() -> None:
                 _busy.pop(me, None)
                 _tracing.discard(me)
                 _cv.notify_all()
+            # Nothing of the job outlives it in this idle thread: a program kept alive here would be
+            # checked (and said poisoned) after a `cache_reset()` as if a handle still ran it.
+            job = entry = follow = detail = b = info = None

@@ -35,7 +35,6 @@ from .._experiment._data import check_splits, eval_batches, split_len, steps_per
 from .._experiment._layout import FlatLayout, TreeLayout
 from .._experiment._model import (
     HOST_KEYS,
-    Model,
     ParamSplit,
     check_given,
     check_state,
@@ -46,6 +45,7 @@ from .._experiment._model import (
 from .._experiment._optimizer import AT_REBUILD, check_setup, init_optimizer
 from . import _ahead, _checkpoint, _loop, _progress, _runs
 from ._programs import EVAL, GRAD, METRIC, OPT, PREDICT, make_predict, program_key
+from ._staleness import model_for, stale
 
 
 class Nitro:
@@ -177,8 +177,8 @@ class Nitro:
             state = place.state(state) if on_mesh else jax.tree.map(strong, state)
         self._model_state = state
         trainable = split.trainable(self._params)
-        self._layout = (FlatLayout if self.flat_params else TreeLayout)(trainable)
-        self._model = Model(split, self._layout, b.has_state, b.reserved)
+        self._model = model_for(split, trainable, b, FlatLayout if self.flat_params else TreeLayout)
+        self._layout = self._model.layout
         if opt_state is None:
             opt_state = init_optimizer(b, self._layout, trainable, self._dev)
             opt_state = place.opt_state(opt_state) if on_mesh else jax.tree.map(strong, opt_state)
@@ -268,6 +268,7 @@ class Nitro:
                 raise NitroValueError(str(err) + AT_REBUILD.format(state=state)) from None
         new._curve = list(self._curve)  # the loss chart goes on where it was
         new._cursor = self._cursor  # and a cut epoch where it stopped
+        _ahead.rebuilt(self, new)  # this handle is superseded: compile ahead serves the new one
         return new
 
     def _optimizer_may_differ(self, new: "Nitro") -> bool:
@@ -275,15 +276,14 @@ class Nitro:
         with: its hook or GraphConst values moved, or this handle's optimizer program went stale (a
         helper it calls was edited), or it never ran one (nothing would have told)."""
         a, b = self._binding, new._binding
-        _cache.ensure_fresh()  # an edit since the last scan poisons now (one comparison when none)
         opt = [e for e in self._programs.values() if e.kind == "opt"]
         return (a.hook_fps.get("optimizer") != b.hook_fps.get("optimizer") or a.graphconst.hash != b.graphconst.hash
-                or not opt or any(e.poisoned for e in opt))
+                or not opt or "opt" in stale(self).kinds())
 
     def __repr__(self):
         return (
             f"Nitro({type(self.experiment).__qualname__}, step={self.step}, epoch={self.epoch}, "
-            f"programs={len(self._programs)}, stale={any(e.poisoned for e in self._programs.values())})"
+            f"programs={len(self._programs)}, stale={bool(stale(self, scan=False).programs)})"
         )
 
     # Documented internal names (see the module docstring): the binding's, under the handle's old names.
@@ -356,12 +356,10 @@ class Nitro:
     # ---------------------------------------------------------------- entry points
     def _enter(self, what: str = "this entry point"):
         _runs.check_idle(self, what)
-        _cache.ensure_fresh()
-        stale = [e for e in self._programs.values() if e.poisoned]
-        schedules = self._binding.edited_schedules() if self._binding.schedules else ()
-        if stale or schedules:
-            _report.emit(Kind.STALE_HANDLE, handle=self, names=_report.merge_names(stale),
-                         kinds=tuple(e.kind for e in stale), schedules=schedules)
+        now = stale(self)
+        if now:
+            _report.emit(Kind.STALE_HANDLE, handle=self, names=_report.merge_names(now.programs),
+                         kinds=now.kinds(), schedules=now.schedules)
 
     def train(self, epochs: int | None = None, *, background: bool = False):
         """Train for `epochs` (default `max_epochs`) epochs, validating after each one when a `valid`

@@ -257,7 +257,8 @@ def program_key(spec: Spec, binding, args: tuple, settings: dict, hook: str | No
     - `settings`: the handle settings a spec's `options` name (`accum`, `layout`, `statics`).
     - `hook`: for a per-hook kind (`metric`), the hook it traces.
 
-    **Returns:** the `_cache.Key`.
+    **Returns:** the `_cache.Key`. It carries each GraphConst field's fingerprint too: a live program
+    whose trace read only fields this key fingerprints alike serves it (`_cache._serving`).
     """
     kind, hooks = (spec.kind, spec.hooks) if hook is None else (f"{spec.kind}:{hook}", (hook,))
     fps = binding.hook_fps
@@ -268,4 +269,5 @@ def program_key(spec: Spec, binding, args: tuple, settings: dict, hook: str | No
         arg_signature(args, spec.args),
         binding.graphconst.hash,
         tuple((o, settings[o]) for o in spec.options),
+        tuple((name, fp) for name, (fp, _shown) in binding.graphconst.info.items()),
     )

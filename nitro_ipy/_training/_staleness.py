@@ -1,0 +1,67 @@
+"""Whether a handle is stale, and what its rebuild re-binds: decided here, in one place.
+
+- `stale(handle)`: the programs the handle runs that an edit poisoned, and its schedules whose name holds
+  other code now. The entry points (`train`, `validate`, `evaluate`, `predict`) say the stale-handle line
+  from it, `repr(n)` shows it, `rebuild()` asks it whether the optimizer may differ, and compile ahead
+  (`_ahead`) compiles replacements only for a stale handle's programs.
+- `rebind(handle)` / `rebound_model(handle, b)`: the binding and the `Model` a `rebuild()` of `handle`
+  builds its programs with (hooks through the live class; the parameter tree's user classes re-bound to
+  the live code). `Nitro._setup` builds its `Model` through `model_for`, the same rule.
+"""
+
+import dataclasses
+
+from .._base._live import live_value
+from .._compiler import _cache
+from .._experiment._binding import bind
+from .._experiment._model import Model, ParamSplit
+
+
+@dataclasses.dataclass(frozen=True)
+class Staleness:
+    """What makes a handle stale: `programs` (the poisoned entries it runs) and `schedules` (its
+    schedules redefined since it was built). Falsy when it is current."""
+
+    programs: tuple = ()
+    schedules: tuple = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.programs or self.schedules)
+
+    def kinds(self) -> tuple:
+        return tuple(e.kind for e in self.programs)
+
+
+def stale(handle, scan: bool = True) -> Staleness:
+    """`handle`'s staleness now. `scan` (the default) re-resolves the cache's closures first when the
+    world moved (one integer comparison when it did not)."""
+    if scan:
+        _cache.ensure_fresh()
+    programs = tuple(e for e in handle._programs.values() if e.poisoned)
+    b = handle._binding
+    return Staleness(programs, b.edited_schedules() if b.schedules else ())
+
+
+def rebind(handle):
+    """The `Binding` a `rebuild()` of `handle` binds: its experiment through its live class, the
+    splits and schedules it has. Raises what the rebuild would raise."""
+    return bind(handle.experiment, handle._binding.splits, handle._options["schedules"])
+
+
+def model_for(split: ParamSplit, trainable, b, layout_type) -> Model:
+    """The `Model` programs of binding `b` are built with, for parameters split by `split` whose trainable
+    arrays are `trainable`, laid out by `layout_type` (`FlatLayout` or `TreeLayout`)."""
+    return Model(split, layout_type(trainable), b.has_state, b.reserved)
+
+
+def rebound_model(handle, b) -> Model:
+    """The `Model` a rebuild of `handle` builds its programs with, against binding `b`: the parameter
+    tree's user classes re-bound to the live code (an Equinox model's, after its cell re-ran), split and
+    laid out again, and `b`'s hooks' reserved parameters. `handle._model` itself when none of it moved."""
+    old = handle._model
+    params = old.split.combine(handle._params)
+    live = live_value(params)
+    if live is params and old.has_state == b.has_state and old.reserved == b.reserved:
+        return old
+    split = ParamSplit(live)
+    return model_for(split, split.trainable(split.dynamic(live)), b, type(handle._layout))
