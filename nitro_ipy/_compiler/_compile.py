@@ -149,14 +149,17 @@ def compile_ahead(key, fn, args, *, donate_argnums: tuple = (), info: dict | Non
     except BaseException:
         _cache.release(claimed, None)
         raise
-    entry.untaken = True  # counted as the miss it is; its first taking counts no hit (`_cache._served`)
+    # Counted as the miss it is; the handle that first takes it counts no hit and says its compile lines
+    # (`_cache._served`), composed here, before any handle can take it.
+    entry.untaken = True
+    messages = [_report.message(Kind.COMPILE, entry=entry, ahead=ahead)]
+    messages += [_report.message(Kind.LARGE_CONSTANT, program=entry.kind, nbytes=nbytes, shape=shape,
+                                 dtype=dtype, origin=origin) for nbytes, shape, dtype, origin in entry.constants]
+    entry.held = tuple(messages)
     drifted = _cache.store_if_current(entry, claimed)
     if drifted:
         return "drifted", None, drifted
     _save(entry)
-    messages = [_report.message(Kind.COMPILE, entry=entry, ahead=ahead)]
-    messages += [_report.message(Kind.LARGE_CONSTANT, program=entry.kind, nbytes=nbytes, shape=shape,
-                                 dtype=dtype, origin=origin) for nbytes, shape, dtype, origin in entry.constants]
     return "compiled", entry, messages
 
 
