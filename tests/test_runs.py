@@ -239,6 +239,12 @@ def test_a_background_run_is_pinned_to_its_code():
     global _pin_helper
     steer = Steer(at=4)
     n = _handle(steer, max_epochs=1)
+    # Validation compiled on demand, after the edit (the case the mixed-code line is for): with compile
+    # ahead on, the run's evaluation program compiles as its first step starts, before any edit, and
+    # the run validates with the code it started with.
+    from nitro_ipy._training import _ahead
+
+    previous = _ahead.set_compile_ahead(False)
     run = n.train(background=True)
     assert steer.reached.wait(60)
     old = _pin_helper
@@ -247,6 +253,7 @@ def test_a_background_run_is_pinned_to_its_code():
         nitro_ipy.bump_world()
         steer.go.set()
         run.wait()
+        _ahead.set_compile_ahead(previous)
         assert nitro_ipy.cache_stats().misses == 3  # nothing recompiled under the running train
         nitro_ipy._compiler._cache.ensure_fresh()
         assert [e.kind for e in n._programs.values() if e.poisoned] == ["grad"]  # it did move
@@ -260,6 +267,7 @@ def test_a_background_run_is_pinned_to_its_code():
         ref.train()
     finally:
         _pin_helper = old
+        _ahead.set_compile_ahead(previous)
     assert all(np.array_equal(a, b) for a, b in zip(_leaves(n), _leaves(ref)))
 
 

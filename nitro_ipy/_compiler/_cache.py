@@ -193,6 +193,7 @@ class Entry:
     # Compiled in the background (`_ahead`) and not taken by a handle yet: its first taking counts no
     # hit, files it as compiled then, and says so to front ends (`take`), as if compiled on demand.
     untaken: bool = False
+    held: tuple = ()  # its compile lines, composed in the background: said by the handle that takes it
     unstorable: str | None = None  # why the store cannot hold it (then JAX's persistent cache does)
 
     @property
@@ -346,23 +347,32 @@ def lookup(key: Key) -> Entry | None:
     """The live entry serving `key`, counted as a hit, or None (nothing counted)."""
     with _lock:
         entry = _serving(key)
-        if entry is not None:
-            _served(entry)
-        return entry
+        said = _served(entry) if entry is not None else ()
+    _say(said)
+    return entry
 
 
-def _served(entry: Entry) -> None:
+def _served(entry: Entry) -> tuple:
     """A handle takes `entry` (under `_lock`): a hit, or, the first time for a program compiled in the
     background, what its compile on demand would have been: no hit (its miss was counted when it was
-    made), filed as the newest entry, and the compile event front ends follow (the live panel)."""
+    made), filed as the newest entry, the compile event front ends follow (the live panel), and its
+    compile lines, returned to be said in the taking thread (`_say`), where its compile would have said
+    them. A program a later edit poisoned is never taken, so its lines are never said."""
     if not entry.untaken:
         count_hit(entry)
-        return
+        return ()
     entry.untaken = False
     if _state.entries.get(entry.key) is entry:
         del _state.entries[entry.key]
         _state.entries[entry.key] = entry
+    said, entry.held = entry.held, ()
     _events.publish("compile", entry)
+    return said
+
+
+def _say(messages) -> None:
+    for msg in messages:  # outside the lock: a sink may display, or read the cache
+        _report.send(msg)
 
 
 class Claim:
@@ -385,19 +395,22 @@ def claim(key: Key, generation: int | None = None) -> tuple[Entry | None, Claim 
     compile ahead's), `(None, None)` once the cache is past it: a `cache_reset()` since the job was
     planned, whose counters a background compile must never move."""
     while True:
+        said = ()
         with _lock:
             if generation is not None and generation != _state.generation:
                 return None, None
             entry = _serving(key)
-            if entry is not None:
-                if generation is None:  # a background compile finding it counts nothing
-                    _served(entry)
-                return entry, None
-            pending = _state.compiling.get(key)
-            if pending is None:
-                pending = _state.compiling[key] = Claim(key, _state)
-                return None, pending
-            pending.awaited = True
+            if entry is None:
+                pending = _state.compiling.get(key)
+                if pending is None:
+                    pending = _state.compiling[key] = Claim(key, _state)
+                    return None, pending
+                pending.awaited = True
+            elif generation is None:  # (a background compile finding it live counts nothing)
+                said = _served(entry)
+        if entry is not None:
+            _say(said)
+            return entry, None
         _events.publish("awaiting")
         pending.done.wait()
         if pending.error is not None:

@@ -148,14 +148,17 @@ def compile_ahead(key, fn, args, *, donate_argnums: tuple = (), info: dict | Non
     except BaseException:
         _cache.release(claimed, None)
         raise
-    entry.untaken = True  # counted as the miss it is; its first taking counts no hit (`_cache._served`)
+    # Counted as the miss it is; the handle that first takes it counts no hit and says its compile lines
+    # (`_cache._served`), composed here, before any handle can take it.
+    entry.untaken = True
+    messages = [_report.message(Kind.COMPILE, entry=entry, ahead=ahead)]
+    messages += [_report.message(Kind.LARGE_CONSTANT, program=entry.kind, nbytes=nbytes, shape=shape,
+                                 dtype=dtype, origin=origin) for nbytes, shape, dtype, origin in entry.constants]
+    entry.held = tuple(messages)
     drifted = _cache.store_if_current(entry, claimed)
     if drifted:
         return "drifted", None, drifted
     _save(entry)
-    messages = [_report.message(Kind.COMPILE, entry=entry, ahead=ahead)]
-    messages += [_report.message(Kind.LARGE_CONSTANT, program=entry.kind, nbytes=nbytes, shape=shape,
-                                 dtype=dtype, origin=origin) for nbytes, shape, dtype, origin in entry.constants]
     return "compiled", entry, messages
 
 
@@ -309,8 +312,13 @@ def _trace_and_compile(key, fn, args, donate_argnums, info, record, compiler_opt
         traced, closure, reads = _trace(jitted, fn, args, record)
         if _cache.evictions() == evictions:
             break
-        _cache.evict_user_traces()  # what this trace cached may be the old code's: traced again, clean,
-        jitted = jax.jit(_fresh(fn), donate_argnums=donate_argnums, **placed)  # past JAX's cache of `fn`'s
+        # An edit's scan evicted JAX's cached traces of the user's inner functions meanwhile, and this
+        # trace may have cached one of the old code again: evicted again, whatever becomes of this one.
+        _cache.evict_user_traces()
+        if closure is not None and closure.drift({}):
+            break  # it ran the old code and says so: dropped (compile ahead) or poisoned by the next scan
+        jitted = jax.jit(_fresh(fn), donate_argnums=donate_argnums, **placed)  # traced again, past JAX's
+        # cache of `fn`'s traces: its closure says it is current, yet it may have used an old inner trace
     with gc_paused():
         lowered = traced.lower()
     # A program the store cannot hold still skips XLA after a restart, through JAX's own cache.

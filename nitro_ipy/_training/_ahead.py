@@ -20,8 +20,8 @@ Live handles are tracked weakly (`track`), each with the recipe of every program
   dropped, not served; a new edit drops from the queue what it made stale, so that is never started.
 - A compile ahead after an edit waits while a step loop runs and for `QUIET_S` after (training comes
   first), unless a rebuild waits for it.
-- The workers say nothing: their compile lines are held and said by the handle that resolves the program
-  (where its compile line would have been), in that handle's thread. A compile that raised leaves the key
+- The workers say nothing: their compile lines are held on the entry and said by the handle that first
+  takes the program (`_cache._served`: where its compile line would have been), in that handle's thread. A compile that raised leaves the key
   unclaimed, so the rebuild compiles it in the foreground and raises there, with the user's traceback.
 - `prefetch_eval`: a training handle's evaluation forward compiles while its first epoch runs: from the
   moment its first step's XLA compile starts (the `xla_start` event), or from its first step on when
@@ -131,9 +131,6 @@ WORKERS = 2
 _busy: dict = {}  # worker thread -> the Job it runs
 _tracing: set = set()  # workers whose job has not reached its XLA compile yet
 _workers: list = []
-# key -> (weak ref to the entry, the messages the worker composed), said by the handle that resolves the
-# key (`cache_reset` clears both)
-_held = _memo.Memo("ahead.held", 256)
 _failed = _memo.Memo("ahead.failed", 256)  # keys whose compile raised: the rebuild compiles (and raises) them
 _history: collections.deque = collections.deque(maxlen=64)  # (order taken, Outcome)
 _taken = 0  # jobs taken off the queue so far: `history()` lists outcomes in the order jobs started
@@ -227,28 +224,10 @@ def track(handle) -> None:
 
 
 def resolved(handle, spec, key, args: tuple, hook: str | None, fields: dict) -> None:
-    """`handle` resolved the program `key` (new to it) from `args`: keep its recipe, and say the compile
-    lines the worker held for it."""
+    """`handle` resolved the program `key` (new to it) from `args`: keep its recipe."""
     recipes = _recipes.get(handle)
     if recipes is not None and key not in recipes:
         recipes[key] = Recipe(spec, hook, dict(fields), _cache.shapes_of(args))
-    if _held:
-        say(key)
-
-
-def say(key=None) -> None:
-    """Say the held compile lines of `key` (every key: None) in the calling thread: the cell's, or a
-    background run's, whose own sink keeps them (`_report`). Never from the worker."""
-    if threading.current_thread() in _workers:
-        return
-    with _cv:
-        keys = list(_held) if key is None else [key] if key in _held else []
-        held = [_held.pop(k) for k in keys]
-    # Only a program still served: one a later edit poisoned was never run (its key's program now is
-    # another, compiled anew or revived), so its lines would say a compile that did not happen.
-    messages = [m for ref, lines in held if (e := ref()) is not None and not e.poisoned for m in lines]
-    for msg in messages:
-        _report.send(msg)
 
 
 def rebuilt(old, new) -> None:
@@ -614,11 +593,10 @@ def history() -> list[Outcome]:
 
 
 def reset() -> None:
-    """Forget recipes, held lines and failures (`cache_reset`'s companion, for tests)."""
+    """Forget failures, history and successors (`cache_reset`'s companion, for tests)."""
     cancel()
     wait()
     with _cv:
-        _held.clear()
         _failed.clear()
         _history.clear()
         _successors.clear()
@@ -692,9 +670,7 @@ def _work() -> None:
             with _cv:
                 if status == "failed" and isinstance(detail, Cancelled):
                     status, detail = "cancelled", None
-                if status == "compiled":
-                    _held[job.key] = (weakref.ref(entry), detail)
-                elif status == "failed":
+                if status == "failed":
                     _failed[job.key] = True
                 _note(job, status, detail if status != "compiled" else None, order=order)
                 _follow(job, follow)
