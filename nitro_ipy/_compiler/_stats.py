@@ -173,6 +173,10 @@ def summarise_inputs(entry) -> str:
                 per_dtype[str(sig.dtype)] = per_dtype.get(str(sig.dtype), 0) + math.prod(sig.shape)
             sizes = " + ".join(f"{count:,} {dtype}" for dtype, count in per_dtype.items())
             text = f"{_NAMES[name]} {sizes}"
+            groups = [(m.group(1), math.prod(s.shape)) for s in sigs
+                      if (m := re.fullmatch(r"grads\[['\"]([^]'\"]*:[^]'\"]*)['\"]\]", s.path or ""))]
+            if name == "grads" and groups:  # the flat layout's parameter groups (the optimizer's masks, labels)
+                text += f" in {len(groups)} groups (" + ", ".join(f"{g} {c:,}" for g, c in groups) + ")"
             if name == "params":
                 layers = list(dict.fromkeys(m.group(1) for s in sigs if (m := re.match(r"params\[['\"]?([^]'\"]+)", s.path or ""))))
                 if layers and layers != list(per_dtype):

@@ -128,6 +128,10 @@ class ParamSplit:
         # Static leaves shape the graph: their content is part of every params-taking program's key.
         self.signature = fingerprint(tuple(sorted(self.statics.items())), root) if self.statics else ""
 
+    def trainable_paths(self) -> list[str]:
+        """The paths of the trained leaves, in the order the trainable tree flattens them."""
+        return [p for p, k in zip(self.paths, self.kinds) if k == TRAIN]
+
     def dynamic(self, params):
         """The tree the programs take: `params` with static leaves replaced by None."""
         leaves = self.treedef.flatten_up_to(params)

@@ -4,6 +4,8 @@ Device field reaches a constructor that needs a Python number; then its initial 
 Both checks run before anything compiles, so the user sees the fix, not a trace.
 """
 
+import collections
+import functools
 import re
 import types
 
@@ -14,17 +16,32 @@ import optax
 
 from .._base._errors import NitroTypeError, NitroValueError
 from ._checks import check_optimizer
+from ._layout import FlatLayout, TreeLayout
 
-# Closure cells optax's path-aware transformations keep (`optax.masked`, `add_decayed_weights(mask=)`,
-# `adamw(mask=)`, `multi_transform(param_labels=)`): on flat buffers they would see `{dtype: buffer}`.
+# Closure cells of optax's path-aware transformations (`optax.masked`, `add_decayed_weights(mask=)`,
+# `adamw(mask=)`, `multi_transform` / `partition(param_labels=)`), and the same names among the arguments
+# `inject_hyperparams` holds: the masks and labels that define the flat layout's parameter groups.
 _PATH_CELLS = ("mask", "param_labels")
 
-FLAT_PATHS = (
-    "the optimizer of `{owner}` looks at parameter paths (`{cell}`: `optax.masked`, a weight-decay "
-    "`mask=`, or `multi_transform` labels), but `flat_params=True` hands it one flat buffer per dtype, "
-    "where a mask or label by path would mean something else. Pass `Nitro(e, ..., flat_params=False)` "
-    "so it sees the params tree."
+MASK_FAILS = (
+    "the optimizer of `{owner}` has a `{cell}` that could not be evaluated on the params tree ({error}). "
+    "optax evaluates it on the params (and updates) under `jax.jit`, so it must decide from each "
+    "parameter's path, shape or dtype, never its values, and return a tree with the params' structure "
+    "(or a prefix of it), e.g. `mask=lambda p: jax.tree_util.tree_map_with_path(lambda path, x: x.ndim > 1, p)`."
 )
+
+MASK_VALUES = (
+    "the optimizer of `{owner}` has a `{cell}` that depends on the parameters' values (it returned a "
+    "traced array at `{where}`); optax needs masks and labels static. Decide from each parameter's path, "
+    "shape or dtype, e.g. `mask=lambda p: jax.tree_util.tree_map_with_path(lambda path, x: x.ndim > 1, p)`."
+)
+
+GROUPS_MOVED = (
+    "the optimizer of `{owner}` now puts the parameters in other groups than at setup (its `{cell}` "
+    "gives another value at `{where}`), and the flat layout's buffers were laid out by the old groups. "
+    "Rebuild the handle (`n = n.rebuild()`) so the layout follows the optimizer."
+)
+
 
 FLAT_SHAPES = (
     "the optimizer of `{owner}` treats each parameter array by its own shape or norm ({why}: as "
@@ -33,7 +50,7 @@ FLAT_SHAPES = (
     "it sees the params tree."
 )
 
-# Said after FLAT_PATHS / FLAT_SHAPES when the refusal comes from `rebuild()`: its optimizer state is the
+# Said after FLAT_SHAPES when the refusal comes from `rebuild()`: its optimizer state is the
 # flat layout's, so the switch to the tree layout starts a new handle from the trained parameters.
 AT_REBUILD = (
     " `rebuild()` carries the optimizer state of the flat layout; to change the layout, start a handle "
@@ -57,34 +74,182 @@ DEVICE_IN_CONSTRUCTOR = (
     "drive it per step with `Nitro(e, schedules={{{first!r}: fn}})` instead of an optax schedule."
 )
 
+GROUPS_CHANGED = (
+    "the optimizer of `{owner}` now groups the parameters differently (its masks or labels moved), and "
+    "`rebuild()` carries optimizer state laid out by the old groups. Start a handle from the trained "
+    "parameters: `Nitro(e, ..., params=n.params{state})` (the optimizer state starts afresh)."
+)
 
-def path_cells(tx) -> list[str]:
-    """The path-aware closure cells found anywhere in `tx`'s init and update functions."""
-    found, seen = [], set()
 
-    def walk(obj):
-        if id(obj) in seen:
-            return
-        seen.add(id(obj))
+def _is_optax(fn) -> bool:
+    return (getattr(fn, "__module__", None) or "").split(".")[0] == "optax"
+
+
+class _Walk:
+    """A walk over a transformation's functions, closure cells, tuples (named or not), lists, dicts and
+    partials, in one fixed order. Each mask or label it meets (an optax function's closure cell, or an
+    argument `inject_hyperparams` holds, named in `_PATH_CELLS`) is appended to `found` as `(name,
+    value)`; with `values`, the object graph is rebuilt (nothing is mutated: a transformation the user
+    keeps is left as it is) with the k-th one holding `values[k]` instead."""
+
+    def __init__(self, values: list | None = None):
+        self.values, self.found, self.memo, self.cells = values, [], {}, {}
+
+    def _target(self, name, value):
+        k = len(self.found)
+        self.found.append((name, value))
+        return value if self.values is None or k >= len(self.values) else self.values[k]
+
+    def go(self, obj, held: bool = False):
+        key = id(obj)
+        if key in self.memo:
+            return self.memo[key]
         if isinstance(obj, types.FunctionType):
-            for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
+            self.memo[key] = obj  # a cycle leads back here: left as it is
+            new = self._function(obj)
+        elif isinstance(obj, functools.partial):
+            self.memo[key] = obj
+            func, args = self.go(obj.func), [self.go(a) for a in obj.args]
+            kw = {k: self.go(v) for k, v in obj.keywords.items()}
+            same = func is obj.func and _same(args, obj.args) and _same(kw.values(), obj.keywords.values())
+            new = obj if same else functools.partial(func, *args, **kw)
+        elif isinstance(obj, (tuple, list)):
+            items = [self.go(x) for x in obj]
+            if _same(items, obj):
+                new = obj
+            elif isinstance(obj, list):
+                new = items
+            else:
+                new = type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        elif isinstance(obj, dict):
+            items = {k: (self._target(k, v) if held and k in _PATH_CELLS and v is not None else self.go(v))
+                     for k, v in obj.items()}
+            new = obj if _same(items.values(), obj.values()) else type(obj)(items) if type(obj) is dict else items
+        else:
+            return obj
+        self.memo[key] = new
+        return new
+
+    def _function(self, fn):
+        if not fn.__closure__:
+            return fn
+        optax_fn = _is_optax(fn)
+        cells = []
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__):
+            if id(cell) not in self.cells:
                 try:
                     value = cell.cell_contents
                 except ValueError:  # an empty cell
-                    continue
-                if name in _PATH_CELLS and value is not None and name not in found:
-                    found.append(name)
-                walk(value)
-        elif isinstance(obj, (tuple, list)):
-            for item in obj:
-                walk(item)
-        elif isinstance(obj, dict):
-            for item in obj.values():
-                walk(item)
+                    self.cells[id(cell)] = cell
+                else:
+                    if optax_fn and name in _PATH_CELLS and value is not None:
+                        new = self._target(name, value)
+                    else:
+                        new = self.go(value, held=optax_fn)
+                    self.cells[id(cell)] = cell if new is value else types.CellType(new)
+            cells.append(self.cells[id(cell)])
+        if _same(cells, fn.__closure__):
+            return fn
+        new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, tuple(cells))
+        new.__kwdefaults__, new.__qualname__, new.__module__ = fn.__kwdefaults__, fn.__qualname__, fn.__module__
+        new.__dict__.update(fn.__dict__)
+        return new
 
-    walk(tx.init)
-    walk(tx.update)
-    return found
+
+def _same(a, b) -> bool:
+    a, b = list(a), list(b)
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def path_cells(tx) -> list[str]:
+    """The names of the masks and labels found anywhere in `tx`."""
+    walk = _Walk()
+    walk.go(tx)
+    return list(dict.fromkeys(name for name, _ in walk.found))
+
+
+def _hashable(v):
+    if isinstance(v, (np.ndarray, np.generic)) or (isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer)):
+        return np.asarray(v).item() if np.size(v) == 1 else v
+    return v
+
+
+def _per_leaf(owner, name, value, trainable, paths):
+    """`value` (a mask or labels: a tree, a prefix of the params tree, or a callable returning one)
+    as one value per leaf of `trainable`, evaluated as optax does: the callable on the params as traced."""
+    treedef = jax.tree_util.tree_structure(trainable)
+    got = {}
+
+    def probe(tree):
+        got["tree"] = value(tree) if callable(value) else value
+        return jnp.zeros(())
+
+    try:
+        jax.eval_shape(probe, jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), trainable))
+        expanded = jax.tree.map(lambda v, sub: jax.tree.map(lambda _: v, sub), got["tree"], trainable)
+        out = treedef.flatten_up_to(expanded)
+    except Exception as err:  # the user's callable or tree: whatever it raises is said with the fix
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise NitroValueError(MASK_FAILS.format(owner=owner, cell=name,
+                                                error=f"{type(err).__name__}: {first[:200]}")) from None
+    for path, v in zip(paths, out):
+        if isinstance(v, jax.core.Tracer):
+            raise NitroValueError(MASK_VALUES.format(owner=owner, cell=name, where=path))
+    return [_hashable(v) for v in out]
+
+
+def leaf_groups(owner: str, tx, trainable, paths=None):
+    """`(names, per-leaf values)`: the masks and labels of `tx` (`_PATH_CELLS`), each evaluated on the
+    params tree `trainable`, as one tuple of values per leaf (flatten order); `(), None` when `tx` has
+    none. `paths` names the leaves in messages."""
+    walk = _Walk()
+    walk.go(tx)
+    if not walk.found:
+        return (), None
+    leaves = jax.tree_util.tree_leaves(trainable)
+    paths = paths or [f"leaf {i}" for i in range(len(leaves))]
+    columns = [_per_leaf(owner, name, value, trainable, paths) for name, value in walk.found]
+    return tuple(name for name, _ in walk.found), [tuple(c[i] for c in columns) for i in range(len(leaves))]
+
+
+def _substituted(tx, trees: list):
+    """`tx` rebuilt with its k-th mask or label replaced by `trees[k]` (trees of values, no callables)."""
+    walk = _Walk(trees)
+    new = walk.go(tx)
+    return new, walk
+
+
+def regrouped(tx, layout, trainable=None):
+    """`tx` with its masks and labels re-expressed on `layout`'s grouped tree (`FlatLayout.adapt`).
+
+    With `trainable` (the params as traced), the masks are evaluated again and must give every leaf the
+    values the layout was built with: a layout is never used with groups it was not made for."""
+    owner = "the experiment"
+    new, walk = _substituted(tx, layout.cell_trees())
+    if len(walk.found) != len(layout.cells):
+        raise NitroValueError(GROUPS_MOVED.format(owner=owner, cell=", ".join(layout.cells) or "masks",
+                                                  where="the optimizer's structure"))
+    if trainable is not None:
+        names = [name for name, _ in walk.found]
+        leaves = jax.tree_util.tree_leaves(trainable)
+        paths = [f"leaf {i}" for i in range(len(leaves))]
+        for k, (name, value) in enumerate(walk.found):
+            column = _per_leaf(owner, name, value, trainable, paths)
+            for i, v in enumerate(column):
+                group = next(g for g, idx in layout.groups.items() if i in idx)
+                if layout.values[group][k] != v:
+                    raise NitroValueError(GROUPS_MOVED.format(owner=owner, cell=names[k], where=paths[i]))
+    return new
+
+
+def make_layout(flat: bool, b, trainable, dev: dict, paths=None):
+    """The handle's layout over `trainable`: `TreeLayout`, or `FlatLayout` grouped by the masks and labels
+    of the experiment's optimizer (built with the Device values `dev`)."""
+    if not flat:
+        return TreeLayout(trainable)
+    tx = b.optimizer(b.view(dev))
+    cells, labels = leaf_groups(b.cls.__qualname__, tx, trainable, paths)
+    return FlatLayout(trainable, labels, cells)
 
 
 # Primitives that act on each element alone (or pass a value through): an optimizer built of these, full
@@ -100,26 +265,40 @@ _ORDER_KEEPING = frozenset("reshape squeeze expand_dims".split())
 _FULL_REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
 
 
-def shape_dependence(tx, trainable) -> str | None:
+def shape_dependence(tx, trainable, layout=None) -> str | None:
     """Why `tx` would compute something else on the flat layout than on the params tree, or None.
 
-    `tx.update` is traced (no compile) on the tree of one leaf per distinct shape and dtype (two at
-    least), and the jaxpr is followed from the gradients and params to the updates. It means the same on
-    one flat buffer per dtype when every update element depends on its own gradient and param elements,
-    on reductions over every parameter at once (a global norm), and on nothing else of theirs: an
-    update that reads a reduction over its own array alone (`lamb`'s trust ratio, `adafactor`'s clip),
-    a reduction along some axes (`adafactor`'s factored moments) or a matrix product does not."""
+    `tx.update` is traced (no compile) on the tree of one leaf per distinct shape, dtype and parameter
+    group (two at least of a group of several), its masks and labels re-expressed on that tree, and the
+    jaxpr is followed from the gradients and params to the updates. It means the same on one flat buffer
+    per group when every update element depends on its own gradient and param elements, on reductions
+    over whole groups (a global norm, over every parameter or over those a mask selects), and on nothing
+    else of theirs: an update that reads a reduction over its own array alone (`lamb`'s trust ratio,
+    `adafactor`'s clip), a reduction along some axes (`adafactor`'s factored moments) or a matrix product
+    does not."""
     leaves = jax.tree_util.tree_leaves(trainable)
     if not leaves:
         return None
-    sample, seen = [], set()
-    for leaf in leaves:
-        sig = (tuple(leaf.shape), str(leaf.dtype))
+    grouped = layout is not None and layout.grouped
+    group_of = ({i: g for g, idx in layout.groups.items() for i in idx} if grouped
+                else {i: str(leaf.dtype) for i, leaf in enumerate(leaves)})
+    sample, groups, firsts, seen = [], [], [], set()
+    for i, leaf in enumerate(leaves):
+        sig = (tuple(leaf.shape), str(leaf.dtype), group_of[i])
         if sig not in seen:
             seen.add(sig)
             sample.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
-    if len(sample) == 1 and len(leaves) > 1:
-        sample.append(sample[0])
+            groups.append(group_of[i])
+            firsts.append(i)
+    sizes = collections.Counter(group_of.values())
+    for j in range(len(sample)):  # a group of several arrays gets two: a reduction over one array shows
+        if sizes[groups[j]] > 1 and groups.count(groups[j]) == 1:
+            sample.append(sample[j])
+            groups.append(groups[j])
+            firsts.append(firsts[j])
+    if grouped:
+        trees = [[layout.values[g][k] for g in groups] for k in range(len(layout.cells))]
+        tx, _ = _substituted(tx, trees)
     value = jnp.zeros((), jnp.float32)
     jaxpr = jax.make_jaxpr(lambda g, p: tx.update(g, tx.init(p), p, **update_args(tx, value))[0])(sample, sample).jaxpr
     k = len(sample)
@@ -128,11 +307,11 @@ def shape_dependence(tx, trainable) -> str | None:
         outs = _follow(jaxpr, [(frozenset([i % k]), frozenset()) for i in range(len(jaxpr.invars))])
     except _ShapeDependent as err:
         return str(err)
-    everything = frozenset(range(k))
+    members = [frozenset(j for j in range(k) if groups[j] == g) for g in dict.fromkeys(groups)]
     for i, (elem, reduced) in enumerate(outs):
         if elem - {i}:
             return "an update reads another array's elements"
-        if reduced and reduced != everything:
+        if any(reduced & m and not m <= reduced for m in members):
             return "an update reads a reduction over its own array"
     return None
 
@@ -207,15 +386,16 @@ def _concretization_errors() -> tuple:
                              getattr(jax.errors, "TracerIntegerConversionError", None)) if e is not None)
 
 
-def _trace(b, flat, dev: dict, concrete: str | None = None):
+def _trace(b, layout, flat, dev: dict, concrete: str | None = None):
     """Build the optimizer with `dev` traced (but field `concrete`) and run init + one update abstractly."""
     # numpy, not a device array: a device array would be staged into the trace, and traced again
     fixed = {} if concrete is None else {concrete: np.asarray(dev[concrete])}
 
     def run(traced):
-        tx = b.optimizer(b.view({**traced, **fixed}))
-        state = tx.init(flat)
-        return tx.update(flat, state, flat, **update_args(tx, jnp.zeros((), jnp.float32)))
+        tx = layout.adapt(b.optimizer(b.view({**traced, **fixed})))
+        seen = layout.for_tx(flat)
+        state = tx.init(seen)
+        return tx.update(seen, state, seen, **update_args(tx, jnp.zeros((), jnp.float32)))
 
     jax.eval_shape(run, {k: v for k, v in dev.items() if k != concrete})
 
@@ -231,7 +411,7 @@ def init_optimizer(b, layout, trainable, dev: dict):
     """The optimizer's initial state over `layout.ravel(trainable)`, after the setup checks
     (`check_setup`: the arguments are the same)."""
     tx, flat = check_setup(b, layout, trainable, dev)
-    return tx.init(flat)
+    return tx.init(layout.for_tx(flat))
 
 
 def check_setup(b, layout, trainable, dev: dict):
@@ -242,8 +422,8 @@ def check_setup(b, layout, trainable, dev: dict):
     - `b`: the handle's `Binding`; `layout`: `FlatLayout` or `TreeLayout` over `trainable`.
     - `trainable`: the float params the optimizer sees; `dev`: the Device values.
 
-    **Returns:** `(tx, flat params)`. Raises `NitroValueError` for an optimizer that looks at paths or
-    at each array's shape on the flat layout, and `NitroTypeError` for a Device field a constructor
+    **Returns:** `(tx, flat params)`, `tx` adapted to the layout (`layout.adapt`). Raises
+    `NitroValueError` for an optimizer that looks at each array's shape on the flat layout, and `NitroTypeError` for a Device field a constructor
     needs as a Python number or a transformation that needs more extra arguments than `value=`.
     """
     owner = b.cls.__qualname__
@@ -251,20 +431,16 @@ def check_setup(b, layout, trainable, dev: dict):
     tx = b.optimizer(b.view(dev))
     check_optimizer(b.cls, tx)
     flat_layout = layout.signature[0] == "flat"
-    if flat_layout:  # before any trace: a mask by path would be handed `{dtype: buffer}`
-        cells = path_cells(tx)
-        if cells:
-            raise NitroValueError(FLAT_PATHS.format(owner=owner, cell=cells[0]))
     errors = _concretization_errors()
     try:
-        _trace(b, flat, dev)  # init and one update, abstractly: nothing compiles
+        _trace(b, layout, flat, dev)  # init and one update, abstractly: nothing compiles
     except errors as err:
         if not dev:
             raise
         culprits = []
         for name in dev:  # the fields whose concrete value makes the trace succeed
             try:
-                _trace(b, flat, dev, concrete=name)
+                _trace(b, layout, flat, dev, concrete=name)
             except errors:
                 continue
             culprits.append(name)
@@ -279,7 +455,7 @@ def check_setup(b, layout, trainable, dev: dict):
             raise
         raise NitroTypeError(EXTRA_ARGUMENT.format(owner=owner, name=missing.group(1))) from None
     if flat_layout:  # after the trace: a transformation wanting more than `value=` is said first
-        why = shape_dependence(tx, trainable)
+        why = shape_dependence(tx, trainable, layout)
         if why is not None:
             raise NitroValueError(FLAT_SHAPES.format(owner=owner, why=why))
-    return tx, flat
+    return layout.adapt(tx), flat

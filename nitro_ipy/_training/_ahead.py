@@ -44,6 +44,7 @@ from .._compiler import _cache, _compile, _reuse
 from .._experiment._binding import bind
 from .._experiment._data import split_len
 from .._experiment._model import Model, ParamSplit
+from .._experiment._optimizer import make_layout
 from ._programs import EVAL, METRIC, SPECS, program_key
 
 ENV = "NITRO_IPY_AHEAD"
@@ -325,10 +326,16 @@ def _rebound_model(handle, b) -> Model:
     old = handle._model
     params = old.split.combine(handle._params)
     live = live_value(params)
-    if live is params and old.has_state == b.has_state and old.reserved == b.reserved:
+    split = old.split if live is params else ParamSplit(live)
+    # The flat layout's groups are the live optimizer's masks and labels (an edit may move them).
+    try:
+        layout = make_layout(old.layout.signature[0] == "flat", b, split.trainable(split.dynamic(live)), handle._dev)
+    except Exception:  # a mask the rebuild will refuse, with its message: nothing to compile ahead for it
+        layout = old.layout
+    if (live is params and old.has_state == b.has_state and old.reserved == b.reserved
+            and layout.signature == old.layout.signature):
         return old
-    split = ParamSplit(live)
-    return Model(split, type(handle._layout)(split.trainable(split.dynamic(live))), b.has_state, b.reserved)
+    return Model(split, layout, b.has_state, b.reserved)
 
 
 def _across_processes(handle) -> bool:
