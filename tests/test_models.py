@@ -512,12 +512,14 @@ class Decayed:
         return optax.adamw(1e-2, weight_decay=0.5, mask=mask)
 
 
-def test_path_mask_refused_on_flat_layout_with_the_fix():
-    with pytest.raises(NitroValueError, match=r"looks at parameter paths \(`mask`.*flat_params=False"):
-        Nitro(Decayed(), data={"train": _reg()}, progress=False)
-    n = Nitro(Decayed(), data={"train": _reg()}, batch_size=16, progress=False, flat_params=False)
-    n.train()
-    assert n.opt_state is not None
+def test_a_path_mask_trains_on_the_flat_layout_as_on_the_tree():
+    # the decay mask groups the flat buffers (tests/test_groups.py has every form of mask and label)
+    runs = []
+    for flat in (True, False):
+        n = Nitro(Decayed(), data={"train": _reg()}, batch_size=16, max_epochs=2, progress=False, flat_params=flat)
+        n.train()
+        runs.append(n.params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), *runs)
 
 
 def test_flat_and_tree_layouts_train_identical_params():

@@ -5,6 +5,7 @@ Both checks run before anything compiles, so the user sees the fix, not a trace.
 """
 
 import collections
+import copy
 import functools
 import re
 import types
@@ -113,6 +114,19 @@ class _Walk:
             kw = {k: self.go(v) for k, v in obj.keywords.items()}
             same = func is obj.func and _same(args, obj.args) and _same(kw.values(), obj.keywords.values())
             new = obj if same else functools.partial(func, *args, **kw)
+        elif isinstance(obj, types.MethodType):  # a method of an optax object (`MultiSteps.update`)
+            self.memo[key] = obj
+            owner = self.go(obj.__self__)
+            new = obj if owner is obj.__self__ else types.MethodType(obj.__func__, owner)
+        elif _is_optax(type(obj)) and hasattr(obj, "__dict__") and not isinstance(obj, tuple):
+            self.memo[key] = obj  # an optax object holding its inner transformation (`MultiSteps`)
+            attrs = {k: self.go(v) for k, v in vars(obj).items()}
+            if _same(attrs.values(), vars(obj).values()):
+                new = obj
+            else:
+                new = copy.copy(obj)
+                for k, v in attrs.items():
+                    object.__setattr__(new, k, v)
         elif isinstance(obj, (tuple, list)):
             items = [self.go(x) for x in obj]
             if _same(items, obj):

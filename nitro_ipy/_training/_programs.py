@@ -44,7 +44,11 @@ def call_forward(model, owner, forward, view, params, inputs: dict, state, key, 
         extra["train"] = train
     if not model.has_state:
         return forward(view, params, **inputs, **extra), state
-    return forward_result(owner, forward(view, params, **inputs, state=state, **extra), state)
+    # `forward` gets a container of its own: one it consumes (an `eqx.nn.State` a layer `set` outside a
+    # `vmap` is invalid after) never breaks what reads `state` after it (the shape check, the guard).
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    own = jax.tree_util.tree_unflatten(treedef, leaves)
+    return forward_result(owner, forward(view, params, **inputs, state=own, **extra), (treedef, leaves))
 
 
 def call_loss(model, loss, view, outputs, targets: dict, train: bool):
