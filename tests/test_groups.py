@@ -158,6 +158,8 @@ def test_nitro_stats_shows_the_groups():
     opt = [r for r in stats_table().rows if r.kind == "opt"]
     assert len(opt) == 1
     assert "gradients 49 float32 in 2 groups (float32:fast 9, float32:slow 40)" in opt[0].inputs
+    # what `%nitro_stats` prints in a terminal
+    assert "  opt parameter groups: 2 groups (float32:fast 9, float32:slow 40)" in repr(stats_table()).splitlines()
 
 
 def test_mixed_dtypes_make_one_buffer_per_dtype_and_group():

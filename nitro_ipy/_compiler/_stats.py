@@ -72,6 +72,9 @@ class StatsTable:
                     c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
                 ).rstrip())
             lines.extend(f"  why {r.kind} compiled: {r.why}" for r in self.rows if r.why)
+            # the flat layout's parameter groups (an optimizer program's gradients), with their sizes
+            lines.extend(f"  {r.kind} parameter groups: {m.group(1)}" for r in self.rows
+                         if (m := re.search(r"gradients [^;]* in (\d+ groups \([^)]*\))", r.inputs or "")))
         else:
             lines.append("(no compiled programs)")
         if self.untracked:
