@@ -343,7 +343,7 @@ def test_rebuild_carries_the_groups_and_refuses_groups_that_moved(tmp_path):
 
 
 def test_the_optimizer_program_checks_the_masks_still_mean_the_setup_s_groups():
-    from nitro_ipy._experiment._optimizer import regrouped
+    from nitro_ipy._experiment._groups import regrouped
 
     n = Nitro(Net("adamw mask by path"), data={"train": _reg()}, progress=False)
     trainable = n._model.split.trainable(n._params)

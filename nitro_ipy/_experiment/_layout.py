@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._groups import regrouped
+
 
 class FlatLayout:
     """How a params pytree maps onto flat buffers `{group name: 1-D array}`, one per (dtype, group).
@@ -113,9 +115,6 @@ class FlatLayout:
         the masks to check they still mean what they meant at setup."""
         if not self.grouped:
             return tx
-        # the optimizer module owns the walk over optax's closures (and imports this one)
-        from ._optimizer import regrouped
-
         return regrouped(tx, self, trainable)
 
     def cell_trees(self) -> list:
