@@ -350,3 +350,45 @@ def test_the_optimizer_program_checks_the_masks_still_mean_the_setup_s_groups():
     regrouped(optax.adamw(1e-2, mask=by_path), n._layout, trainable)  # the same groups: fine
     with pytest.raises(NitroValueError, match=r"now puts the parameters in other groups than at setup"):
         regrouped(optax.adamw(1e-2, mask=by_ndim), n._layout, trainable)
+
+
+def _path_aware():
+    """A hand-written transformation choosing by path outside any optax mask: the flat buffers have none."""
+    def update(updates, state, params=None):
+        double = lambda path, g: g * (2.0 if jax.tree_util.keystr(path).endswith("['kernel']") else 1.0)  # noqa: E731
+        return jax.tree_util.tree_map_with_path(double, updates), state
+
+    return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+
+def test_path_logic_outside_the_masks_is_refused_at_setup_with_the_fix():
+    @dataclasses.dataclass
+    class ByHand(Net):
+        def optimizer(self):
+            return optax.chain(_path_aware(), optax.adamw(self.lr, mask=by_ndim))
+
+    with pytest.raises(NitroValueError) as info:
+        Nitro(ByHand(), data={"train": _reg()}, progress=False)
+    assert str(info.value) == (
+        "the optimizer of `test_path_logic_outside_the_masks_is_refused_at_setup_with_the_fix.<locals>.ByHand` "
+        "computes something else depending on the parameters' paths (its update traced on the params tree and "
+        "on the same arrays without their paths gives different programs), beyond the masks and labels "
+        "nitro_ipy lays out as parameter groups (`optax.masked`, a weight-decay `mask=`, `multi_transform` / "
+        "`partition` labels, `transforms.freeze`). Express the choice as one of those, or pass "
+        "`Nitro(e, ..., flat_params=False)` so it sees the params tree.")
+    _train(ByHand(), False)  # the tree layout takes it
+
+
+def test_no_optimizer_that_means_the_same_on_buffers_is_taken_for_path_logic():
+    from test_models import _SAME_FLAT
+
+    from nitro_ipy._experiment._layout import FlatLayout
+    from nitro_ipy._experiment._optimizer import path_dependent
+
+    params = Net().init(jax.random.PRNGKey(0))
+    for name, make in {**_SAME_FLAT, **{f: (lambda f=f: FORMS[f](Net())) for f in FORMS}}.items():
+        tx = make()
+        from nitro_ipy._experiment._groups import leaf_groups
+
+        cells, labels = leaf_groups("Net", tx, params)
+        assert not path_dependent(tx, params, FlatLayout(params, labels, cells)), name

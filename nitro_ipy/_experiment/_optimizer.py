@@ -17,6 +17,14 @@ from ._checks import check_optimizer
 from ._groups import leaf_groups, substituted
 from ._layout import FlatLayout, TreeLayout
 
+FLAT_PATHS = (
+    "the optimizer of `{owner}` computes something else depending on the parameters' paths (its update "
+    "traced on the params tree and on the same arrays without their paths gives different programs), "
+    "beyond the masks and labels nitro_ipy lays out as parameter groups (`optax.masked`, a weight-decay "
+    "`mask=`, `multi_transform` / `partition` labels, `transforms.freeze`). Express the choice as one "
+    "of those, or pass `Nitro(e, ..., flat_params=False)` so it sees the params tree."
+)
+
 FLAT_SHAPES = (
     "the optimizer of `{owner}` treats each parameter array by its own shape or norm ({why}: as "
     "`adafactor`, `lamb`, `lars` or a per-parameter clip do), but `flat_params=True` hands it one flat "
@@ -76,6 +84,34 @@ _ELEMENTWISE = frozenset("""
 """.split())
 _ORDER_KEEPING = frozenset("reshape squeeze expand_dims".split())
 _FULL_REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
+
+
+def path_dependent(tx, trainable, layout) -> bool:
+    """Whether `tx` decides by the parameters' paths anything that is not one of the masks and labels
+    the layout groups by (a hand-written transformation reading `tree_map_with_path`, say), which the
+    flat buffers could not mean: its update is traced (nothing compiles) on the params tree and on the
+    same arrays as a plain list, its masks and labels given as the same per-array values in both, and
+    the two programs compared."""
+    leaves, treedef = jax.tree_util.tree_flatten(trainable)
+    if len(leaves) < 2:
+        return False
+    avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
+    per_leaf = ([layout.values[g] for i in range(len(leaves)) for g, idx in layout.groups.items() if i in idx]
+                if layout.grouped else None)
+    value = jnp.zeros((), jnp.float32)
+
+    def program(unflatten):
+        seen = tx if per_leaf is None else substituted(
+            tx, [unflatten([v[k] for v in per_leaf]) for k in range(len(layout.cells))])
+        tree = unflatten(avals)
+        fn = lambda g, p: seen.update(g, seen.init(p), p, **update_args(seen, value))[0]  # noqa: E731
+        return str(jax.make_jaxpr(fn)(tree, tree))
+
+    on_tree = program(treedef.unflatten)
+    try:
+        return program(list) != on_tree
+    except Exception:  # noqa: BLE001 - it needs the paths to run at all (`path[-1].key` on a list)
+        return True
 
 
 def shape_dependence(tx, trainable, layout=None) -> str | None:
@@ -268,6 +304,8 @@ def check_setup(b, layout, trainable, dev: dict):
             raise
         raise NitroTypeError(EXTRA_ARGUMENT.format(owner=owner, name=missing.group(1))) from None
     if flat_layout:  # after the trace: a transformation wanting more than `value=` is said first
+        if path_dependent(tx, trainable, layout):
+            raise NitroValueError(FLAT_PATHS.format(owner=owner))
         why = shape_dependence(tx, trainable, layout)
         if why is not None:
             raise NitroValueError(FLAT_SHAPES.format(owner=owner, why=why))
