@@ -66,8 +66,10 @@ class Nitro:
     - `schedules`: `{device_field: fn(step) -> value}`, applied before every step.
     - `seed`: seeds `init` and the per-epoch shuffle.
     - `progress`: show a progress bar while training (a widget in notebooks, text in terminals).
-    - `flat_params`: update parameters as one flat buffer per dtype (default). Set False for optimizers
-      whose maths is per array (LAMB, LARS, factored Adafactor, masks by parameter path).
+    - `flat_params`: update parameters as one flat buffer per dtype and parameter group (default; the
+      groups are the optimizer's masks and labels: a weight-decay `mask=`, `optax.masked`,
+      `multi_transform`). Set False for optimizers whose maths is per array (LAMB, LARS, factored
+      Adafactor), which are refused on the flat layout at setup.
     - `mesh`: a `jax.sharding.Mesh` to run data parallel on (default: the mesh `jax.set_mesh` set, else
       one device); each batch is split along its `data_axis` (default `"data"`), which `batch_size` must
       divide. `param_sharding`: `(path, shape) -> PartitionSpec | None` to shard large parameters
