@@ -11,6 +11,11 @@ Rows (targets from issue 12):
 - evaluation program compile (nitro's exact ragged eval vs a plain eval `jit` of forward + mean loss):
                                                                   <= 1.5x
 
+Parameter groups on the flat layout (issue 35): AdamW decaying kernels only (`mask=`), on a Flax
+transformer block and a ResNet-style CNN with BatchNorm:
+- steady-state epoch, grouped flat layout / `flat_params=False`:  <= 0.9x
+- optimizer program compile (trace + XLA), grouped / ungrouped flat layout (plain AdamW):  <= 1.2x
+
 Usage:
     python3 benchmarks/bench_models.py            # full run (~6 min on 2 busy cores)
     python3 benchmarks/bench_models.py --quick    # CI smoke run
@@ -256,6 +261,144 @@ def eval_compile(data, rounds: int):
     return H.paired_ratio(a, b), np.median(a), np.median(b)
 
 
+# ---------------------------------------------------------------------------------------------- groups
+GROUPED = """
+import flax.linen as nn
+import jax.numpy as jnp
+
+class Block(nn.Module):
+    width: int
+    heads: int
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(self.heads)(h, h)
+        h = nn.LayerNorm()(x)
+        return x + nn.Dense(self.width)(nn.gelu(nn.Dense(4 * self.width)(h)))
+
+class Transformer(nn.Module):
+    width: int = 32
+    heads: int = 4
+    depth: int = 2
+
+    @nn.compact
+    def __call__(self, tokens, train: bool = True):
+        x = nn.Embed(64, self.width)(tokens)
+        for _ in range(self.depth):
+            x = Block(self.width, self.heads)(x)
+        return nn.Dense(64)(nn.LayerNorm()(x))
+
+class ResBlock(nn.Module):
+    features: int
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        h = nn.relu(nn.BatchNorm(use_running_average=not train)(nn.Conv(self.features, (3, 3))(x)))
+        h = nn.BatchNorm(use_running_average=not train)(nn.Conv(self.features, (3, 3))(h))
+        return nn.relu(x + h)
+
+class ResNet(nn.Module):
+    features: int = 16
+    blocks: int = 3
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.relu(nn.Conv(self.features, (3, 3))(x))
+        for _ in range(self.blocks):
+            x = ResBlock(self.features)(x, train)
+        return nn.Dense(10)(x.mean((1, 2)))
+"""
+
+
+def _decay_mask(params):
+    """Decay kernels and embeddings, not biases or LayerNorm / BatchNorm scales: the usual AdamW mask."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key in ("kernel", "embedding"), params)
+
+
+@dataclasses.dataclass
+class MaskedTransformer:
+    masked: GraphConst[bool] = True
+
+    def init(self, rng):
+        return sys.modules["bench_grouped"].Transformer().init(rng, jnp.zeros((1, 16), jnp.int32))["params"]
+
+    def forward(self, params, *, tokens):
+        return sys.modules["bench_grouped"].Transformer().apply({"params": params}, tokens)
+
+    def loss(self, outputs, *, targets):
+        return optax.softmax_cross_entropy_with_integer_labels(outputs, targets).mean()
+
+    def optimizer(self):
+        return optax.adamw(1e-3, weight_decay=0.05, mask=_decay_mask if self.masked else None)
+
+
+@dataclasses.dataclass
+class MaskedResNet:
+    masked: GraphConst[bool] = True
+
+    def init(self, rng):
+        v = sys.modules["bench_grouped"].ResNet().init(rng, jnp.zeros((1, 8, 8, 1)), train=False)
+        return v["params"], {"batch_stats": v["batch_stats"]}
+
+    def forward(self, params, *, x, state, train):
+        out, upd = sys.modules["bench_grouped"].ResNet().apply(
+            {"params": params, **state}, x, train=train, mutable=["batch_stats"] if train else [])
+        return out, (upd if train else state)
+
+    def loss(self, outputs, *, y):
+        return optax.softmax_cross_entropy_with_integer_labels(outputs, y).mean()
+
+    def optimizer(self):
+        return optax.adamw(1e-3, weight_decay=0.05, mask=_decay_mask if self.masked else None)
+
+
+def grouped_models(data, quick: bool):
+    """`(name, experiment class, train split)` of the two grouped benchmarks."""
+    (_folder / "bench_grouped.py").write_text(GROUPED)
+    importlib.import_module("bench_grouped")
+    r = np.random.default_rng(0)
+    n = 256 if quick else 1024
+    tokens = r.integers(0, 64, size=(n, 16)).astype(np.int32)
+    text = {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1)}
+    return [("transformer block", MaskedTransformer, text), ("ResNet-style CNN", MaskedResNet, data["train"])]
+
+
+def grouped_steady(cls, train, rounds: int):
+    """Steady epoch, AdamW with a decay mask: the grouped flat layout against `flat_params=False`."""
+    handles = [Nitro(cls(), data={"train": train}, batch_size=BATCH, progress=False, flat_params=flat)
+               for flat in (True, False)]
+    assert handles[0]._layout.grouped, "the masked AdamW should group the flat layout"
+    for n in handles:
+        _quiet(lambda: n.train(1))  # compile, warm up
+
+    def side(n):
+        return lambda: _timed(lambda: (n.train(1), jax.block_until_ready(n.params)))
+
+    a, b = H.interleaved(rounds, side(handles[0]), side(handles[1]), pause_gc=True)
+    return H.paired_ratio(a, b), np.median(a), np.median(b)
+
+
+def opt_compile(cls, train, rounds: int):
+    """The optimizer program's compile (trace + XLA): masked AdamW on the grouped flat layout against plain
+    AdamW on the ungrouped one."""
+    batch = {k: v[:BATCH] for k, v in train.items()}
+
+    def side(masked):
+        def run():
+            jax.clear_caches()
+            nitro_ipy.cache_reset()
+            n = Nitro(cls(masked), data={"train": batch}, batch_size=BATCH, progress=False)
+            assert n._layout.grouped == masked
+            _quiet(lambda: n.train(1))
+            (entry,) = [e for e in nitro_ipy._compiler._cache.live_entries() if e.key.kind == "opt"]
+            return entry.trace_s + entry.compile_s
+        return run
+
+    a, b = H.interleaved(rounds, side(True), side(False))
+    return H.paired_ratio(a, b), np.median(a), np.median(b)
+
+
 def main(argv=None) -> int:
     H.parse_args(__doc__, argv)
     quick = H.quick()
@@ -276,6 +419,16 @@ def main(argv=None) -> int:
         res[name] = {"ratio": ratio, "nitro_s": float(a), "hand_s": float(b), "rounds": rounds}
         log(f"{name}: {ratio:.2f}x ({a:.3f} s vs {b:.3f} s, median of {rounds})")
         rows.append(H.Row(name, f"{ratio:.2f}x", f"<= {target}x", ratio <= target))
+    for model, cls, train in grouped_models(data, quick):
+        for name, fn, target, rounds in (
+            (f"{model}, masked AdamW: steady epoch, grouped flat / tree layout", grouped_steady, 0.9,
+             3 if quick else 9),
+            (f"{model}: optimizer compile, masked (grouped) / plain flat", opt_compile, 1.2, 1 if quick else 5),
+        ):
+            ratio, a, b = fn(cls, train, rounds)
+            res[name] = {"ratio": ratio, "a_s": float(a), "b_s": float(b), "rounds": rounds}
+            log(f"{name}: {ratio:.2f}x ({a:.3f} s vs {b:.3f} s, median of {rounds})")
+            rows.append(H.Row(name, f"{ratio:.2f}x", f"<= {target}x", ratio <= target))
     return H.finish(res, rows)
 
 

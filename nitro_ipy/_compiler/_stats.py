@@ -72,6 +72,9 @@ class StatsTable:
                     c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
                 ).rstrip())
             lines.extend(f"  why {r.kind} compiled: {r.why}" for r in self.rows if r.why)
+            # the flat layout's parameter groups (an optimizer program's gradients), with their sizes
+            lines.extend(f"  {r.kind} parameter groups: {m.group(1)}" for r in self.rows
+                         if (m := re.search(r"gradients [^;]* in (\d+ groups \([^)]*\))", r.inputs or "")))
         else:
             lines.append("(no compiled programs)")
         if self.untracked:
@@ -173,6 +176,10 @@ def summarise_inputs(entry) -> str:
                 per_dtype[str(sig.dtype)] = per_dtype.get(str(sig.dtype), 0) + math.prod(sig.shape)
             sizes = " + ".join(f"{count:,} {dtype}" for dtype, count in per_dtype.items())
             text = f"{_NAMES[name]} {sizes}"
+            groups = [(m.group(1), math.prod(s.shape)) for s in sigs
+                      if (m := re.fullmatch(r"grads\[['\"]([^]'\"]*:[^]'\"]*)['\"]\]", s.path or ""))]
+            if name == "grads" and groups:  # the flat layout's parameter groups (the optimizer's masks, labels)
+                text += f" in {len(groups)} groups (" + ", ".join(f"{g} {c:,}" for g, c in groups) + ")"
             if name == "params":
                 layers = list(dict.fromkeys(m.group(1) for s in sigs if (m := re.match(r"params\[['\"]?([^]'\"]+)", s.path or ""))))
                 if layers and layers != list(per_dtype):

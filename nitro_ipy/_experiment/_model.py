@@ -128,6 +128,10 @@ class ParamSplit:
         # Static leaves shape the graph: their content is part of every params-taking program's key.
         self.signature = fingerprint(tuple(sorted(self.statics.items())), root) if self.statics else ""
 
+    def trainable_paths(self) -> list[str]:
+        """The paths of the trained leaves, in the order the trainable tree flattens them."""
+        return [p for p, k in zip(self.paths, self.kinds) if k == TRAIN]
+
     def dynamic(self, params):
         """The tree the programs take: `params` with static leaves replaced by None."""
         leaves = self.treedef.flatten_up_to(params)
@@ -183,26 +187,29 @@ def split_init(cls, result, has_state: bool):
     return result
 
 
-def forward_result(owner: str, result, state):
+def forward_result(owner: str, result, given: tuple):
     """`(outputs, new_state)` from a stateful `forward`'s return value, refusing the wrong arity, or a
     new state whose structure differs from the state it was given; new leaves take the old dtypes so
-    the gradient program's outputs never move its own key."""
+    the gradient program's outputs never move its own key.
+
+    `given` is the given state as `(treedef, leaves)`, taken before `forward` ran: the container itself
+    may be spent by then (Equinox marks an `eqx.nn.State` old once a layer has `set` it)."""
     if not (isinstance(result, tuple) and len(result) == 2):
         raise NitroTypeError(
             f"`{owner}.forward` declares `state`, so it must return `(outputs, new_state)`; got "
             f"{type(result).__qualname__}. Return `out, new_state` (or `out, state` when it does not change)."
         )
     outputs, new_state = result
-    old = jax.tree_util.tree_structure(state)
+    old, leaves = given
     if jax.tree_util.tree_structure(new_state) != old:
-        diff = tree_diff(state, new_state, "state")
+        diff = tree_diff(jax.tree_util.tree_unflatten(old, leaves), new_state, "state")
         raise NitroTypeError(
             f"`{owner}.forward` returned a new state whose structure differs from the state it was given "
             f"({'; '.join(diff) or 'containers differ'}). Return the state with the same keys: with Flax "
             f"`mutable=[\"batch_stats\"]` return the updated collections as `{{\"batch_stats\": ...}}`."
         )
-    new_state = jax.tree.map(lambda n, o: jnp.asarray(n, o.dtype), new_state, state)
-    return outputs, new_state
+    new = old.flatten_up_to(new_state)
+    return outputs, jax.tree_util.tree_unflatten(old, [jnp.asarray(n, o.dtype) for n, o in zip(new, leaves)])
 
 
 def _shape_dtype(x):

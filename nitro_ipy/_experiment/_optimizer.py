@@ -4,8 +4,8 @@ Device field reaches a constructor that needs a Python number; then its initial 
 Both checks run before anything compiles, so the user sees the fix, not a trace.
 """
 
+import collections
 import re
-import types
 
 import jax
 import jax.numpy as jnp
@@ -14,16 +14,15 @@ import optax
 
 from .._base._errors import NitroTypeError, NitroValueError
 from ._checks import check_optimizer
-
-# Closure cells optax's path-aware transformations keep (`optax.masked`, `add_decayed_weights(mask=)`,
-# `adamw(mask=)`, `multi_transform(param_labels=)`): on flat buffers they would see `{dtype: buffer}`.
-_PATH_CELLS = ("mask", "param_labels")
+from ._groups import leaf_groups, substituted
+from ._layout import FlatLayout, TreeLayout
 
 FLAT_PATHS = (
-    "the optimizer of `{owner}` looks at parameter paths (`{cell}`: `optax.masked`, a weight-decay "
-    "`mask=`, or `multi_transform` labels), but `flat_params=True` hands it one flat buffer per dtype, "
-    "where a mask or label by path would mean something else. Pass `Nitro(e, ..., flat_params=False)` "
-    "so it sees the params tree."
+    "the optimizer of `{owner}` computes something else depending on the parameters' paths (its update "
+    "traced on the params tree and on the same arrays without their paths gives different programs), "
+    "beyond the masks and labels nitro_ipy lays out as parameter groups (`optax.masked`, a weight-decay "
+    "`mask=`, `multi_transform` / `partition` labels, `transforms.freeze`). Express the choice as one "
+    "of those, or pass `Nitro(e, ..., flat_params=False)` so it sees the params tree."
 )
 
 FLAT_SHAPES = (
@@ -33,7 +32,7 @@ FLAT_SHAPES = (
     "it sees the params tree."
 )
 
-# Said after FLAT_PATHS / FLAT_SHAPES when the refusal comes from `rebuild()`: its optimizer state is the
+# Said after FLAT_SHAPES when the refusal comes from `rebuild()`: its optimizer state is the
 # flat layout's, so the switch to the tree layout starts a new handle from the trained parameters.
 AT_REBUILD = (
     " `rebuild()` carries the optimizer state of the flat layout; to change the layout, start a handle "
@@ -57,34 +56,21 @@ DEVICE_IN_CONSTRUCTOR = (
     "drive it per step with `Nitro(e, schedules={{{first!r}: fn}})` instead of an optax schedule."
 )
 
+GROUPS_CHANGED = (
+    "the optimizer of `{owner}` now groups the parameters differently (its masks or labels moved), and "
+    "`rebuild()` carries optimizer state laid out by the old groups. Start a handle from the trained "
+    "parameters: `Nitro(e, ..., params=n.params{state})` (the optimizer state starts afresh)."
+)
 
-def path_cells(tx) -> list[str]:
-    """The path-aware closure cells found anywhere in `tx`'s init and update functions."""
-    found, seen = [], set()
 
-    def walk(obj):
-        if id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, types.FunctionType):
-            for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
-                try:
-                    value = cell.cell_contents
-                except ValueError:  # an empty cell
-                    continue
-                if name in _PATH_CELLS and value is not None and name not in found:
-                    found.append(name)
-                walk(value)
-        elif isinstance(obj, (tuple, list)):
-            for item in obj:
-                walk(item)
-        elif isinstance(obj, dict):
-            for item in obj.values():
-                walk(item)
-
-    walk(tx.init)
-    walk(tx.update)
-    return found
+def make_layout(flat: bool, b, trainable, dev: dict, paths=None):
+    """The handle's layout over `trainable`: `TreeLayout`, or `FlatLayout` grouped by the masks and labels
+    of the experiment's optimizer (built with the Device values `dev`)."""
+    if not flat:
+        return TreeLayout(trainable)
+    tx = b.optimizer(b.view(dev))
+    cells, labels = leaf_groups(b.cls.__qualname__, tx, trainable, paths)
+    return FlatLayout(trainable, labels, cells)
 
 
 # Primitives that act on each element alone (or pass a value through): an optimizer built of these, full
@@ -100,26 +86,68 @@ _ORDER_KEEPING = frozenset("reshape squeeze expand_dims".split())
 _FULL_REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
 
 
-def shape_dependence(tx, trainable) -> str | None:
+def path_dependent(tx, trainable, layout) -> bool:
+    """Whether `tx` decides by the parameters' paths anything that is not one of the masks and labels
+    the layout groups by (a hand-written transformation reading `tree_map_with_path`, say), which the
+    flat buffers could not mean: its update is traced (nothing compiles) on the params tree and on the
+    same arrays as a plain list, its masks and labels given as the same per-array values in both, and
+    the two programs compared."""
+    leaves, treedef = jax.tree_util.tree_flatten(trainable)
+    if len(leaves) < 2:
+        return False
+    avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
+    per_leaf = ([layout.values[g] for i in range(len(leaves)) for g, idx in layout.groups.items() if i in idx]
+                if layout.grouped else None)
+    value = jnp.zeros((), jnp.float32)
+
+    def program(unflatten):
+        seen = tx if per_leaf is None else substituted(
+            tx, [unflatten([v[k] for v in per_leaf]) for k in range(len(layout.cells))])
+        tree = unflatten(avals)
+        fn = lambda g, p: seen.update(g, seen.init(p), p, **update_args(seen, value))[0]  # noqa: E731
+        return str(jax.make_jaxpr(fn)(tree, tree))
+
+    on_tree = program(treedef.unflatten)
+    try:
+        return program(list) != on_tree
+    except Exception:  # noqa: BLE001 - it needs the paths to run at all (`path[-1].key` on a list)
+        return True
+
+
+def shape_dependence(tx, trainable, layout=None) -> str | None:
     """Why `tx` would compute something else on the flat layout than on the params tree, or None.
 
-    `tx.update` is traced (no compile) on the tree of one leaf per distinct shape and dtype (two at
-    least), and the jaxpr is followed from the gradients and params to the updates. It means the same on
-    one flat buffer per dtype when every update element depends on its own gradient and param elements,
-    on reductions over every parameter at once (a global norm), and on nothing else of theirs: an
-    update that reads a reduction over its own array alone (`lamb`'s trust ratio, `adafactor`'s clip),
-    a reduction along some axes (`adafactor`'s factored moments) or a matrix product does not."""
+    `tx.update` is traced (no compile) on the tree of one leaf per distinct shape, dtype and parameter
+    group (two at least of a group of several), its masks and labels re-expressed on that tree, and the
+    jaxpr is followed from the gradients and params to the updates. It means the same on one flat buffer
+    per group when every update element depends on its own gradient and param elements, on reductions
+    over whole groups (a global norm, over every parameter or over those a mask selects), and on nothing
+    else of theirs: an update that reads a reduction over its own array alone (`lamb`'s trust ratio,
+    `adafactor`'s clip), a reduction along some axes (`adafactor`'s factored moments) or a matrix product
+    does not."""
     leaves = jax.tree_util.tree_leaves(trainable)
     if not leaves:
         return None
-    sample, seen = [], set()
-    for leaf in leaves:
-        sig = (tuple(leaf.shape), str(leaf.dtype))
+    grouped = layout is not None and layout.grouped
+    group_of = ({i: g for g, idx in layout.groups.items() for i in idx} if grouped
+                else {i: str(leaf.dtype) for i, leaf in enumerate(leaves)})
+    sample, groups, firsts, seen = [], [], [], set()
+    for i, leaf in enumerate(leaves):
+        sig = (tuple(leaf.shape), str(leaf.dtype), group_of[i])
         if sig not in seen:
             seen.add(sig)
             sample.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
-    if len(sample) == 1 and len(leaves) > 1:
-        sample.append(sample[0])
+            groups.append(group_of[i])
+            firsts.append(i)
+    sizes = collections.Counter(group_of.values())
+    for j in range(len(sample)):  # a group of several arrays gets two: a reduction over one array shows
+        if sizes[groups[j]] > 1 and groups.count(groups[j]) == 1:
+            sample.append(sample[j])
+            groups.append(groups[j])
+            firsts.append(firsts[j])
+    if grouped:
+        trees = [[layout.values[g][k] for g in groups] for k in range(len(layout.cells))]
+        tx = substituted(tx, trees)
     value = jnp.zeros((), jnp.float32)
     jaxpr = jax.make_jaxpr(lambda g, p: tx.update(g, tx.init(p), p, **update_args(tx, value))[0])(sample, sample).jaxpr
     k = len(sample)
@@ -128,11 +156,11 @@ def shape_dependence(tx, trainable) -> str | None:
         outs = _follow(jaxpr, [(frozenset([i % k]), frozenset()) for i in range(len(jaxpr.invars))])
     except _ShapeDependent as err:
         return str(err)
-    everything = frozenset(range(k))
+    members = [frozenset(j for j in range(k) if groups[j] == g) for g in dict.fromkeys(groups)]
     for i, (elem, reduced) in enumerate(outs):
         if elem - {i}:
             return "an update reads another array's elements"
-        if reduced and reduced != everything:
+        if any(reduced & m and not m <= reduced for m in members):
             return "an update reads a reduction over its own array"
     return None
 
@@ -207,15 +235,16 @@ def _concretization_errors() -> tuple:
                              getattr(jax.errors, "TracerIntegerConversionError", None)) if e is not None)
 
 
-def _trace(b, flat, dev: dict, concrete: str | None = None):
+def _trace(b, layout, flat, dev: dict, concrete: str | None = None):
     """Build the optimizer with `dev` traced (but field `concrete`) and run init + one update abstractly."""
     # numpy, not a device array: a device array would be staged into the trace, and traced again
     fixed = {} if concrete is None else {concrete: np.asarray(dev[concrete])}
 
     def run(traced):
-        tx = b.optimizer(b.view({**traced, **fixed}))
-        state = tx.init(flat)
-        return tx.update(flat, state, flat, **update_args(tx, jnp.zeros((), jnp.float32)))
+        tx = layout.adapt(b.optimizer(b.view({**traced, **fixed})))
+        seen = layout.for_tx(flat)
+        state = tx.init(seen)
+        return tx.update(seen, state, seen, **update_args(tx, jnp.zeros((), jnp.float32)))
 
     jax.eval_shape(run, {k: v for k, v in dev.items() if k != concrete})
 
@@ -231,7 +260,7 @@ def init_optimizer(b, layout, trainable, dev: dict):
     """The optimizer's initial state over `layout.ravel(trainable)`, after the setup checks
     (`check_setup`: the arguments are the same)."""
     tx, flat = check_setup(b, layout, trainable, dev)
-    return tx.init(flat)
+    return tx.init(layout.for_tx(flat))
 
 
 def check_setup(b, layout, trainable, dev: dict):
@@ -242,8 +271,8 @@ def check_setup(b, layout, trainable, dev: dict):
     - `b`: the handle's `Binding`; `layout`: `FlatLayout` or `TreeLayout` over `trainable`.
     - `trainable`: the float params the optimizer sees; `dev`: the Device values.
 
-    **Returns:** `(tx, flat params)`. Raises `NitroValueError` for an optimizer that looks at paths or
-    at each array's shape on the flat layout, and `NitroTypeError` for a Device field a constructor
+    **Returns:** `(tx, flat params)`, `tx` adapted to the layout (`layout.adapt`). Raises
+    `NitroValueError` for an optimizer that looks at each array's shape on the flat layout, and `NitroTypeError` for a Device field a constructor
     needs as a Python number or a transformation that needs more extra arguments than `value=`.
     """
     owner = b.cls.__qualname__
@@ -251,20 +280,16 @@ def check_setup(b, layout, trainable, dev: dict):
     tx = b.optimizer(b.view(dev))
     check_optimizer(b.cls, tx)
     flat_layout = layout.signature[0] == "flat"
-    if flat_layout:  # before any trace: a mask by path would be handed `{dtype: buffer}`
-        cells = path_cells(tx)
-        if cells:
-            raise NitroValueError(FLAT_PATHS.format(owner=owner, cell=cells[0]))
     errors = _concretization_errors()
     try:
-        _trace(b, flat, dev)  # init and one update, abstractly: nothing compiles
+        _trace(b, layout, flat, dev)  # init and one update, abstractly: nothing compiles
     except errors as err:
         if not dev:
             raise
         culprits = []
         for name in dev:  # the fields whose concrete value makes the trace succeed
             try:
-                _trace(b, flat, dev, concrete=name)
+                _trace(b, layout, flat, dev, concrete=name)
             except errors:
                 continue
             culprits.append(name)
@@ -279,7 +304,9 @@ def check_setup(b, layout, trainable, dev: dict):
             raise
         raise NitroTypeError(EXTRA_ARGUMENT.format(owner=owner, name=missing.group(1))) from None
     if flat_layout:  # after the trace: a transformation wanting more than `value=` is said first
-        why = shape_dependence(tx, trainable)
+        if path_dependent(tx, trainable, layout):
+            raise NitroValueError(FLAT_PATHS.format(owner=owner))
+        why = shape_dependence(tx, trainable, layout)
         if why is not None:
             raise NitroValueError(FLAT_SHAPES.format(owner=owner, why=why))
-    return tx, flat
+    return layout.adapt(tx), flat

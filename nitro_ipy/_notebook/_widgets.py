@@ -415,7 +415,7 @@ class Panel:
         live = _cache.live_entries()
         self.latest_entry = live[-1] if live else None  # entries are kept in compile order
         self.loop = None  # the last recompile-loop message: a warning chip until the next reset
-        self.run = None  # the background run the Stop button stops (`run.stop()`)
+        self._run = None  # weakly, the background run the Stop button stops (`run`)
         self.stop_button: ActionButton | None = None
         self.refreshes = 0  # how many refreshes sent something: the throttle is tested by counting these
         self._last = 0.0
@@ -477,11 +477,22 @@ class Panel:
         if msg.kind in _REFRESH_ON:
             self.refresh()
 
+    # The panel keeps figures, never a handle: the run (which holds its handle) is held weakly, so a
+    # finished run the user dropped, and its handle, go at once (the worker holds a running one).
+    @property
+    def run(self):
+        """The background run the Stop button stops, while something else keeps it (None after)."""
+        return None if self._run is None else self._run()
+
+    @run.setter
+    def run(self, run) -> None:
+        self._run = None if run is None else weakref.ref(run)
+
     def _set_run(self, run) -> None:
         if threading.current_thread() is not threading.main_thread():
             self._dirty = True
             self._schedule()
-            self._pending_run = run
+            self._pending_run = weakref.ref(run)
             return
         if run is not self.run and not _run_over(run):
             if self.stop_button is not None:
@@ -495,12 +506,15 @@ class Panel:
         self.refresh(force=True)
 
     def _stop(self) -> str:
-        self.run.stop()
+        run = self.run
+        if run is None:
+            return "nothing to stop: the run has ended"
+        run.stop()
         return "stop asked: the run ends at the next step boundary, nothing lost"
 
     def flush(self) -> None:
         """Send any deferred refresh now (after each cell, so the panel ends every cell exact)."""
-        pending = self.__dict__.pop("_pending_run", None)
+        pending = self.__dict__.pop("_pending_run", lambda: None)()
         if pending is not None:
             self._set_run(pending)
         if self._dirty:
@@ -607,8 +621,9 @@ class Panel:
             self._dirty = True
             return
         self._last, self._dirty = now, False
-        if self.stop_button is not None and self.run is not None and _run_over(self.run):
-            self.stop_button.retire(self._run_line())
+        run = self.run
+        if self.stop_button is not None and self._run is not None and (run is None or _run_over(run)):
+            self.stop_button.retire(self._run_line())  # ended, or dropped once it ended
             self.run = None
         main, latest = self.outputs()
         sent = (main.html, latest.html)

@@ -56,7 +56,9 @@ def labels(flat_grads, dev: dict) -> list[str]:
 def _buffer_name(path) -> str:
     text = jax.tree_util.keystr(path)
     key = getattr(path[0], "key", None) if len(path) == 1 else None
-    return f"the flat {key} buffer" if isinstance(key, str) and key in np.sctypeDict else f"`params{text}`"
+    # a flat buffer is named by its dtype, and its parameter group after a colon (`float32:mask`)
+    flat = isinstance(key, str) and key.split(":")[0] in np.sctypeDict
+    return f"the flat {key} buffer" if flat else f"`params{text}`"
 
 
 def fresh(n_parts: int) -> np.ndarray:

@@ -32,7 +32,6 @@ from .._experiment._checks import (
     check_positive_int,
 )
 from .._experiment._data import check_splits, eval_batches, split_len, steps_per_epoch
-from .._experiment._layout import FlatLayout, TreeLayout
 from .._experiment._model import (
     HOST_KEYS,
     ParamSplit,
@@ -42,7 +41,13 @@ from .._experiment._model import (
     run_init,
     strong,
 )
-from .._experiment._optimizer import AT_REBUILD, check_setup, init_optimizer
+from .._experiment._optimizer import (
+    AT_REBUILD,
+    GROUPS_CHANGED,
+    check_setup,
+    init_optimizer,
+    make_layout,
+)
 from . import _ahead, _checkpoint, _loop, _progress, _runs
 from ._programs import EVAL, GRAD, METRIC, OPT, PREDICT, make_predict, program_key
 from ._staleness import model_for, stale
@@ -59,8 +64,10 @@ class Nitro:
     - `schedules`: `{device_field: fn(step) -> value}`, applied before every step.
     - `seed`: seeds `init` and the per-epoch shuffle.
     - `progress`: show a progress bar while training (a widget in notebooks, text in terminals).
-    - `flat_params`: update parameters as one flat buffer per dtype (default). Set False for optimizers
-      whose maths is per array (LAMB, LARS, factored Adafactor, masks by parameter path).
+    - `flat_params`: update parameters as one flat buffer per dtype and parameter group (default; the
+      groups are the optimizer's masks and labels: a weight-decay `mask=`, `optax.masked`,
+      `multi_transform`). Set False for optimizers whose maths is per array (LAMB, LARS, factored
+      Adafactor), which are refused on the flat layout at setup.
     - `mesh`: a `jax.sharding.Mesh` to run data parallel on (default: the mesh `jax.set_mesh` set, else
       one device); each batch is split along its `data_axis` (default `"data"`), which `batch_size` must
       divide. `param_sharding`: `(path, shape) -> PartitionSpec | None` to shard large parameters
@@ -177,8 +184,9 @@ class Nitro:
             state = place.state(state) if on_mesh else jax.tree.map(strong, state)
         self._model_state = state
         trainable = split.trainable(self._params)
-        self._model = model_for(split, trainable, b, FlatLayout if self.flat_params else TreeLayout)
-        self._layout = self._model.layout
+        # One buffer per (dtype, group) on the flat layout: the groups are the optimizer's masks and labels.
+        self._layout = make_layout(self.flat_params, b, trainable, self._dev, split.trainable_paths())
+        self._model = model_for(split, self._layout, b)
         if opt_state is None:
             opt_state = init_optimizer(b, self._layout, trainable, self._dev)
             opt_state = place.opt_state(opt_state) if on_mesh else jax.tree.map(strong, opt_state)
@@ -257,6 +265,9 @@ class Nitro:
         _runs.check_idle(self, "rebuild")
         carry = (self.params, self._model_state, self._opt_state, self.step, self.epoch)
         new = Nitro._carrying(self.experiment if e is None else e, self._options, carry)
+        if new._layout.signature != self._layout.signature:  # the optimizer state is laid by the old groups
+            state = ", state=n.state" if new._model_state is not None else ""
+            raise NitroValueError(GROUPS_CHANGED.format(owner=new._binding.cls.__qualname__, state=state))
         if self._optimizer_may_differ(new):
             # The state carries over, so the optimizer's setup checks run again without its `init`: an
             # edit that keeps the state's structure (`clip_by_global_norm` to `adaptive_grad_clip`) would

@@ -44,7 +44,11 @@ def call_forward(model, owner, forward, view, params, inputs: dict, state, key, 
         extra["train"] = train
     if not model.has_state:
         return forward(view, params, **inputs, **extra), state
-    return forward_result(owner, forward(view, params, **inputs, state=state, **extra), state)
+    # `forward` gets a container of its own: one it consumes (an `eqx.nn.State` a layer `set` outside a
+    # `vmap` is invalid after) never breaks what reads `state` after it (the shape check, the guard).
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    own = jax.tree_util.tree_unflatten(treedef, leaves)
+    return forward_result(owner, forward(view, params, **inputs, state=own, **extra), (treedef, leaves))
 
 
 def call_loss(model, loss, view, outputs, targets: dict, train: bool):
@@ -122,13 +126,17 @@ def make_optimizer(view_of, optimizer, model, halt: bool = True):
     split, layout = model.split, model.layout
 
     def step(params, flat_grads, opt_state, dev, loss):
-        tx = optimizer(view_of(dev))
         trainable = split.trainable(params)
+        # On a grouped flat layout the optimizer sees the grouped tree, its masks and labels re-expressed
+        # there (checked against the params as traced: the groups are the ones the buffers were laid by).
+        tx = layout.adapt(optimizer(view_of(dev)), trainable)
         # The flat params are only built for an optimizer that reads them (weight decay, say): for one
         # that does not, XLA drops the concatenation, and a step never copies the whole model. The
         # updates are then added array by array, exactly as `apply_updates` on the flat buffer would.
-        updates, new_state = tx.update(flat_grads, opt_state, layout.ravel(trainable), **update_args(tx, loss))
-        return split.with_trainable(params, optax.apply_updates(trainable, layout.unravel(updates))), new_state
+        updates, new_state = tx.update(layout.for_tx(flat_grads), opt_state, layout.for_tx(layout.ravel(trainable)),
+                                       **update_args(tx, loss))
+        updates = layout.unravel(layout.from_tx(updates))
+        return split.with_trainable(params, optax.apply_updates(trainable, updates)), new_state
 
     def update(params, flat_grads, opt_state, dev, loss, guard):
         # A non-finite loss, gradient or Device value keeps the old buffers (`_guard`): checked here,

@@ -12,6 +12,7 @@ live panel) read `latest()`.
 
 import sys
 import time
+import weakref
 
 from .._base import _memo, _report
 from .._base._sharding import is_main_process
@@ -60,7 +61,10 @@ class Progress:
     """
 
     def __init__(self, n, epochs: int, steps: int, front):
-        self.n, self.epochs, self.steps, self.front = n, epochs, steps, front
+        # The handle weakly: the module keeps the latest progress (the panel draws it), never the handle,
+        # its parameters or its programs (`del n` frees them at once).
+        self._n = weakref.ref(n)
+        self.epochs, self.steps, self.front = epochs, steps, front
         self.epoch, self.done, self.loss, self.rate = 0, 0, float("nan"), 0.0
         self.first_epoch = n.epoch  # epochs the handle had trained before this call (the chart's origin)
         # The handle keeps its curve across calls (what `Nitro.plot()` draws); this call appends to it.
@@ -69,6 +73,11 @@ class Progress:
         self.records: list = []
         self.status = "running"
         self._start_step, self._last = n.step, (n.step, time.perf_counter())
+
+    @property
+    def n(self):
+        """The handle training (alive while its `train()` runs, which holds it)."""
+        return self._n()
 
     # -- told by the loop and the handle
     def begin_epoch(self) -> None:
@@ -101,7 +110,7 @@ class Progress:
 
     def close(self, error: BaseException | None = None) -> None:
         """The call ended: normally, or with `error` (an interrupt, a non-finite loss, ...)."""
-        if self.epoch:
+        if self.epoch and self.n is not None:
             self.done = min(self.n.step - self._start_step, self.steps)  # steps stored, synced or not
         if error is None:
             self.status = "done"
@@ -131,7 +140,7 @@ def _forget() -> None:
     _latest = None
 
 
-_memo.register(_forget)  # `cache_reset()` forgets it (it holds a handle)
+_memo.register(_forget)  # `cache_reset()` forgets it
 
 
 def latest() -> Progress | None:

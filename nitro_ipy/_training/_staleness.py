@@ -15,6 +15,7 @@ from .._base._live import live_value
 from .._compiler import _cache
 from .._experiment._binding import bind
 from .._experiment._model import Model, ParamSplit
+from .._experiment._optimizer import make_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,20 +49,27 @@ def rebind(handle):
     return bind(handle.experiment, handle._binding.splits, handle._options["schedules"])
 
 
-def model_for(split: ParamSplit, trainable, b, layout_type) -> Model:
+def model_for(split: ParamSplit, layout, b) -> Model:
     """The `Model` programs of binding `b` are built with, for parameters split by `split` whose trainable
-    arrays are `trainable`, laid out by `layout_type` (`FlatLayout` or `TreeLayout`)."""
-    return Model(split, layout_type(trainable), b.has_state, b.reserved)
+    arrays `layout` lays out (`FlatLayout` by the optimizer's groups, or `TreeLayout`)."""
+    return Model(split, layout, b.has_state, b.reserved)
 
 
 def rebound_model(handle, b) -> Model:
     """The `Model` a rebuild of `handle` builds its programs with, against binding `b`: the parameter
     tree's user classes re-bound to the live code (an Equinox model's, after its cell re-ran), split and
-    laid out again, and `b`'s hooks' reserved parameters. `handle._model` itself when none of it moved."""
+    laid out again (the flat layout's groups are the live optimizer's masks and labels, which an edit may
+    move), and `b`'s hooks' reserved parameters. `handle._model` itself when none of it moved."""
     old = handle._model
     params = old.split.combine(handle._params)
     live = live_value(params)
-    if live is params and old.has_state == b.has_state and old.reserved == b.reserved:
+    split = old.split if live is params else ParamSplit(live)
+    try:
+        layout = make_layout(old.layout.signature[0] == "flat", b, split.trainable(split.dynamic(live)),
+                             handle._dev, split.trainable_paths())
+    except Exception:  # noqa: BLE001 - a mask the rebuild will refuse, with its message, in the foreground
+        layout = old.layout
+    if (live is params and old.has_state == b.has_state and old.reserved == b.reserved
+            and layout.signature == old.layout.signature):
         return old
-    split = ParamSplit(live)
-    return model_for(split, split.trainable(split.dynamic(live)), b, type(handle._layout))
+    return model_for(split, layout, b)
