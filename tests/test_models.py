@@ -138,8 +138,8 @@ def test_rng_is_per_step_per_micro_batch_reproducible_and_resumed():
     np.testing.assert_allclose(seen, want, rtol=1e-6)
 
 
-def test_the_step_keys_are_computed_on_the_host_bit_for_bit(monkeypatch):
-    from nitro_ipy._training import _handle
+def test_the_step_keys_are_derived_on_the_device_bit_for_bit():
+    from nitro_ipy._training import _guard
     from nitro_ipy._experiment._model import host_step_keys, step_key
 
     for seed in (0, 3, 2**31 + 5, 2**32 - 1):
@@ -151,8 +151,14 @@ def test_the_step_keys_are_computed_on_the_host_bit_for_bit(monkeypatch):
             before = [np.asarray(jax.random.fold_in(jax.random.PRNGKey(np.uint32(seed)), np.uint32((start + i) % 2**32)))
                       for i in range(3)]
             np.testing.assert_array_equal(host_step_keys(seed, start, 3, None), before)
-    # a handle without micro-batches takes the step's key; windows of 3 keys roll over within the run
-    monkeypatch.setattr(_handle, "HOST_KEYS", 3)
+            # the gradient program's key: from the guard's seed, origin and step count, on the device
+            for i in range(3):
+                guard = _guard.fresh(1, seed, start)
+                guard[_guard.STEPS] = i
+                for m in (0, 5):
+                    np.testing.assert_array_equal(jax.jit(_guard.step_rng)(guard, m), want[2 * i + (m == 5)])
+                np.testing.assert_array_equal(jax.jit(_guard.step_rng)(guard), before[i])
+    # a handle without micro-batches takes the step's key, over epochs (a fresh guard each)
     seen = []
 
     @dataclasses.dataclass
