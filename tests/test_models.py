@@ -13,6 +13,8 @@ import optax
 import pytest
 from flax import nnx
 
+from conftest import tol  # by backend: a GPU multiplies float32 at TF32 precision
+
 import nitro_ipy
 from nitro_ipy import Device, GraphConst, Nitro
 from nitro_ipy._compiler import _reuse
@@ -287,12 +289,12 @@ def test_equinox_state_batchnorm_and_dropout_go_through_state(flat, tmp_path):
     _, want = _eqx_apply(init_params, jnp.asarray(data["train"]["x"]), state0, jax.random.PRNGKey(0), True)
     moved = jax.tree.map(lambda a, b: not np.allclose(a, b), n.state, state0)
     assert all(jax.tree.leaves(moved))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), n.state, want)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **tol(1e-5, 1e-6)), n.state, want)
     # train=False in evaluation and predict: dropout off, the running statistics used
     assert n.validate() == n.validate()
     out = n.predict({"x": data["valid"]["x"]})
     direct, _ = _eqx_apply(n.params, jnp.asarray(data["valid"]["x"]), n.state, jax.random.PRNGKey(1), False)
-    np.testing.assert_allclose(out, np.asarray(direct), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, np.asarray(direct), **tol(1e-5, 1e-6))
     misses = nitro_ipy.cache_stats().misses
     n2 = n.rebuild()  # carries the module (static leaves included), the State and the optimizer state
     assert isinstance(n2.state, eqx.nn.State) and n2.params.drop.p == 0.3 and n2.params.bn.axis_name == "batch"
