@@ -211,7 +211,7 @@ class Nitro:
         st = self._state  # the rest of what the step loop reads, fixed from here on
         st.binding, st.model, st.layout, st.place = b, self._model, self._layout, place
         st.batch_size, st.accum, st.on_nonfinite = self.batch_size, self.accum, self.on_nonfinite
-        st.per_execution = int(per_execution)
+        st.per_execution, st.wants_rng = int(per_execution), b.wants_rng
         # Where an epoch an interrupt cut short stopped (`_loop.Cursor`: its steps taken, their loss sum
         # and count); the next train() goes on from there. `EPOCH_START` at an epoch boundary.
         self._cursor = EPOCH_START

@@ -55,7 +55,7 @@ class StepState:
     """Everything the step loop reads and advances, in one object the handle owns (`Nitro._state`).
 
     Fixed at setup: `binding`, `model` (`_model.Model`), `layout`, `place` (`_sharding` placement),
-    `batch_size`, `accum`, `on_nonfinite`, `per_execution` (`steps_per_execution`). Advanced by
+    `batch_size`, `accum`, `on_nonfinite`, `per_execution` (`steps_per_execution`), `wants_rng`. Advanced by
     training: `params` (the dynamic tree), `model_state`, `opt_state`, `dev` (the Device values every
     program gets; schedules set them in place), `step`, `epoch`, `seed`, `cursor` and `guard` (the
     device vector the optimizer program carries, `_guard`). `shared`: params or optimizer state were
@@ -70,6 +70,7 @@ class StepState:
     accum: int = 1
     on_nonfinite: str = "raise"
     per_execution: int = 1
+    wants_rng: bool = False  # a hook takes `rng`: the gradient program gets the guard, its step counter
     params: object = None
     model_state: object = None
     opt_state: object = None
@@ -87,26 +88,28 @@ class StepState:
         """A guard with no steps seen, made at `step` (its rng counter starts there), placed."""
         return self.place.replicate(_guard.fresh(guard_parts(self), self.seed, step))
 
-    def rng(self, guard):
-        """The gradient program's `rng` argument: the guard, or None when no hook takes `rng`."""
-        return guard if self.binding.wants_rng else None
-
     def grad_args(self, batch, dev=None, guard=None) -> tuple:
+        """The gradient program's arguments (by name, `Spec.pack`): at another step's Device values and
+        guard (its rng) when given. The step loop uses the same order through `GRAD_ARGS`."""
+        guard = self.guard if guard is None else guard
         return GRAD.pack(params=self.params, state=self.model_state, device=self.dev if dev is None else dev,
-                         batch=batch, rng=self.rng(self.guard if guard is None else guard))
-
-    def opt_args(self, flat_grads, loss) -> tuple:
-        return OPT.pack(params=self.params, grads=flat_grads, opt_state=self.opt_state, device=self.dev,
-                        loss=loss, guard=self.guard)
-
-    def steps_args(self, batches, schedule) -> tuple:
-        return STEPS.pack(params=self.params, state=self.model_state, opt_state=self.opt_state, device=self.dev,
-                          batches=batches, schedule=schedule, guard=self.guard)
+                         batch=batch, rng=guard if self.wants_rng else None)
 
     def fields(self, batch) -> dict:
         """The batch fields the gradient builder routes."""
         routes = self.binding.routes
         return {"inputs": routes["forward"].pick(batch), "targets": routes["loss"].pick(batch)}
+
+
+# The per-step programs' arguments, in their `Spec.args` order, from a `StepState` `s` and what each call
+# brings: built once, so the hot loop pays no more than a tuple written out by hand. The guard is the
+# gradient program's `rng` (it holds the step counter) when a hook takes `rng`.
+GRAD_ARGS = GRAD.packer(("batch",), params="s.params", state="s.model_state", device="s.dev",
+                        rng="s.guard if s.wants_rng else None")
+OPT_ARGS = OPT.packer(("grads", "loss"), params="s.params", opt_state="s.opt_state", device="s.dev",
+                      guard="s.guard")
+STEPS_ARGS = STEPS.packer(("batches", "schedule"), params="s.params", state="s.model_state",
+                          opt_state="s.opt_state", device="s.dev", guard="s.guard")
 
 
 class InterruptGate:
@@ -219,20 +222,20 @@ def train_epoch(s: StepState, resolve, split: dict, fields, steps: int, gate: In
                     stacked = stack(list(itertools.islice(batches, per)))
                     schedule = stacked_schedules(binding, dev, s.step, per)
                     if multi is None:  # resolved (maybe compiled) once per epoch, nothing donated yet
-                        multi = resolve(STEPS, s.steps_args(stacked, schedule), **s.fields(stacked), halt=halt)
+                        multi = resolve(STEPS, STEPS_ARGS(s, stacked, schedule), **s.fields(stacked), halt=halt)
                     else:
                         reused[multi] = reused.get(multi, 0) + 1
                     if s.shared:
                         unshare(s)
                     gate.defer = True
-                    s.params, s.model_state, s.opt_state, s.guard = multi.call(*s.steps_args(stacked, schedule))
+                    s.params, s.model_state, s.opt_state, s.guard = multi.call(*STEPS_ARGS(s, stacked, schedule))
                     s.step += per
                     left -= per
                     gate.defer = False
                     if perf_counter() > next_sync:
                         seen, guard = sync(s, seen, bar, step0, split, fields, resolve, reused)
                         next_sync = perf_counter() + _SYNC_SECONDS
-            grad_call, opt_call = grad.call, opt.call
+            grad_call, opt_call, grad_args, opt_args = grad.call, opt.call, GRAD_ARGS, OPT_ARGS
             ahead = place.ahead  # 0, or how many steps this loop may run ahead of a CPU mesh (`_sharding.pace`)
             recent = collections.deque(maxlen=ahead + 1)  # the last steps' losses, kept only to pace by
             for batch in batches:
@@ -242,10 +245,10 @@ def train_epoch(s: StepState, resolve, split: dict, fields, steps: int, gate: In
                 if schedules:
                     apply_schedules(dev, s.step)
                 if stable:
-                    flat_grads, loss, s.model_state = grad_call(*s.grad_args(batch))
+                    flat_grads, loss, s.model_state = grad_call(*grad_args(s, batch))
                     if s.shared:  # read by the user (a schedule, say) since the last step
                         unshare(s)
-                    s.params, s.opt_state, s.guard = opt_call(*s.opt_args(flat_grads, loss))
+                    s.params, s.opt_state, s.guard = opt_call(*opt_args(s, flat_grads, loss))
                     reused[grad] = reused.get(grad, 0) + 1
                     reused[opt] = reused.get(opt, 0) + 1
                 else:  # slow path: re-key every step (and report the loop)
@@ -324,11 +327,11 @@ def keyed_step(s: StepState, resolve, batch, gate: InterruptGate):
     args = s.grad_args(batch)
     grad = resolve(GRAD, args, **s.fields(batch))
     flat_grads, loss, s.model_state = grad.call(*args)
-    opt = resolve(OPT, s.opt_args(flat_grads, loss), halt=s.on_nonfinite == "raise")
+    opt = resolve(OPT, OPT_ARGS(s, flat_grads, loss), halt=s.on_nonfinite == "raise")
     if s.shared:
         unshare(s)
     gate.defer = True
-    s.params, s.opt_state, s.guard = opt.call(*s.opt_args(flat_grads, loss))
+    s.params, s.opt_state, s.guard = opt.call(*OPT_ARGS(s, flat_grads, loss))
     return grad, opt, loss
 
 

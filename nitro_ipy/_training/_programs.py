@@ -235,6 +235,17 @@ class Spec:
                             f"unknown {sorted(extra)}")
         return tuple(map(named.__getitem__, self.args))
 
+    def packer(self, given: tuple, **sources: str):
+        """`pack` for a hot loop: a function `(s, *given) -> arguments`, in this program's order, built once
+        from `args` (as `collections.namedtuple` builds its methods): each argument is one of `given`
+        or the expression `sources` names for it (reading the object `s`). A call costs what a tuple
+        written out by hand would; `pack` costs a dict."""
+        missing = [a for a in self.args if a not in given and a not in sources]
+        if missing or set(given) & set(sources) or not set(given) | set(sources) <= set(self.args):
+            raise TypeError(f"the {self.kind} program takes {self.args}; got {given} and {sorted(sources)}")
+        items = ", ".join(a if a in given else f"({sources[a]})" for a in self.args)
+        return eval(f"lambda s, {', '.join(given)}: ({items},)", {})  # noqa: S307 - our own names only
+
 
 def _build_grad(b, model, accum, hook, *, inputs, targets):
     """The gradient program, calling its forward through a warmed `_reuse.Forward` when one is keyed
