@@ -195,6 +195,8 @@ def train_epoch(s: StepState, resolve, split: dict, fields, steps: int, gate: In
     gate = InterruptGate() if gate is None else gate
     seen, guard = (0.0, 0), None  # the finite losses' (sum, count) at the last sync, and that guard
     reused = {}  # entry -> steady-state calls that reused it since the last sync point
+    pairs = 0  # steady-state per-step (grad, opt) calls since then: an int, not two dict updates a step
+    grad = opt = None  # the per-step entries, once the first step resolved them
     halt = s.on_nonfinite == "raise"
     try:
         with gate.installed():
@@ -249,8 +251,7 @@ def train_epoch(s: StepState, resolve, split: dict, fields, steps: int, gate: In
                     if s.shared:  # read by the user (a schedule, say) since the last step
                         unshare(s)
                     s.params, s.opt_state, s.guard = opt_call(*opt_args(s, flat_grads, loss))
-                    reused[grad] = reused.get(grad, 0) + 1
-                    reused[opt] = reused.get(opt, 0) + 1
+                    pairs += 1
                 else:  # slow path: re-key every step (and report the loop)
                     gate.defer = False  # nothing is donated yet, and a compile may follow
                     grad, opt, loss = keyed_step(s, resolve, batch, gate)
@@ -261,6 +262,7 @@ def train_epoch(s: StepState, resolve, split: dict, fields, steps: int, gate: In
                     if len(recent) > ahead:
                         recent[0].block_until_ready()
                 if perf_counter() > next_sync:
+                    pairs = fold_pairs(reused, grad, opt, pairs)
                     seen, guard = sync(s, seen, bar, step0, split, fields, resolve, reused)
                     next_sync = perf_counter() + _SYNC_SECONDS
             if gate.pending and gate.cuts_epoch():
@@ -268,6 +270,7 @@ def train_epoch(s: StepState, resolve, split: dict, fields, steps: int, gate: In
             seen, guard = check_losses(s, seen, bar, step0, split, fields, resolve)
             settled = True
     finally:
+        fold_pairs(reused, grad, opt, pairs)
         count_reuse(reused)
         if not settled:  # Ctrl-C or an error: a bad step before it still counts as not applied
             total, n_loss = settle(s, step0, total, n_loss)
@@ -430,6 +433,14 @@ def settle(s: StepState, step0: int, total: float, count: int) -> tuple:
         s.step = step0 + _guard.first_bad(guard)
     more, counted = _guard.loss_sum(guard)
     return total + more, count + counted
+
+
+def fold_pairs(reused: dict, grad, opt, pairs: int) -> int:
+    """`pairs` reuses of the per-step entries folded into `reused`; returns 0 (the count restarts)."""
+    if pairs:
+        reused[grad] = reused.get(grad, 0) + pairs
+        reused[opt] = reused.get(opt, 0) + pairs
+    return 0
 
 
 def count_reuse(reused: dict):
