@@ -203,3 +203,17 @@ def test_the_handle_owns_the_step_state_it_trains():
     assert isinstance(n._cursor, _loop.Cursor) and n._cursor == _loop.EPOCH_START
     n.step = 3
     assert s.step == 3
+
+
+def test_nitro_stats_lists_the_k_step_program_and_its_calls():
+    from nitro_ipy._compiler._stats import stats_table
+
+    nitro_ipy.cache_reset()
+    n = Nitro(Reg(), data={"train": _data(8 * 9)}, batch_size=BS, progress=False, steps_per_execution=4)
+    n.train(1)  # 9 steps: the per-step pair once, then two 4-step calls
+    table = stats_table()
+    assert tuple(table.stats) == (1, 3, 3)
+    rows = {r.kind: r for r in table.rows}
+    assert sorted(rows) == ["grad", "opt", "steps"]
+    assert rows["steps"].hooks == "forward, loss, optimizer" and rows["steps"].hits == 1
+    assert "steps  forward, loss, optimizer" in repr(table)
