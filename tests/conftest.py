@@ -49,6 +49,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(once)
 
 
+def tol(rtol: float = 1e-5, atol: float = 1e-6) -> dict:
+    """`rtol`/`atol` to compare float32 results at: exactly as given on the CPU. On a GPU (or TPU) a
+    float32 matrix multiply runs at the backend's default precision (TF32 on NVIDIA: a 10-bit mantissa,
+    about 1e-3 relative per product), so results that differ only in how they were batched or placed
+    agree to about 1e-3 there: `1e-2` relative, `1e-3` absolute."""
+    import jax
+
+    if jax.default_backend() == "cpu":
+        return {"rtol": rtol, "atol": atol}
+    return {"rtol": max(rtol, 1e-2), "atol": max(atol, 1e-3)}
+
+
+def rel(rel: float = 1e-5) -> float:
+    """`pytest.approx`'s `rel` by backend (`tol`)."""
+    return tol(rel)["rtol"]
+
+
+# A test of XLA:CPU's own options (emitters, YNNPACK, optimization level): other backends do not take them.
+cpu_only = pytest.mark.skipif("__import__('jax').default_backend() != 'cpu'",
+                              reason="checks XLA:CPU compiler options, which other backends do not use")
+
+
 @pytest.fixture(autouse=True)
 def _fresh_cache():
     """Every test starts from an empty compile cache and fails on any of our own warnings."""

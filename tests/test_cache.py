@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import cpu_only
 import nitro_ipy
 from nitro_ipy import CacheStats, Device, GraphConst, Host, Nitro
 from nitro_ipy._compiler import _cache, _compile, _explain
@@ -336,6 +337,7 @@ class _Spy:
         return self.lowered.compile(compiler_options=compiler_options)
 
 
+@cpu_only
 def test_compile_leaves_out_only_the_options_this_xla_does_not_know():
     spy = _Spy(jax.jit(lambda x: x * 2.0).lower(jnp.ones(3)))
     options = {"nitro_no_such_option": True, "xla_backend_optimization_level": 1}
@@ -355,6 +357,7 @@ def _jaxpr(fn, *shapes):
     return jax.make_jaxpr(fn)(*(jnp.ones(s, jnp.float32) for s in shapes))
 
 
+@cpu_only
 def test_a_program_whose_multiplies_are_all_narrow_compiles_without_ynnpack():
     # a wide batch is fine: each multiply has at most one dimension above NARROW_DOT (64)
     narrow = _jaxpr(lambda x, w: jnp.tanh(x @ w) @ w.T, (512, 64), (64, 64))
@@ -365,6 +368,7 @@ def test_a_program_whose_multiplies_are_all_narrow_compiles_without_ynnpack():
     assert _compile.program_options(narrow, mine) == {**LEVEL_2, **mine}  # options given explicitly win
 
 
+@cpu_only
 def test_one_wide_multiply_anywhere_keeps_ynnpack():
     wide = lambda x, w: x @ w  # [8, 128] x [128, 128]: rows 8, columns 128, contracted 128
     assert _compile.program_options(_jaxpr(wide, (8, 128), (128, 128))) == LEVEL_2
@@ -379,6 +383,7 @@ def test_one_wide_multiply_anywhere_keeps_ynnpack():
     assert _compile.program_options(_jaxpr(lambda x: jnp.tanh(x) * 2.0, (256, 256))) == LEVEL_2  # no multiply
 
 
+@cpu_only
 def test_a_program_with_a_convolution_compiles_with_the_classic_emitters_and_keeps_ynnpack():
     conv = lambda x, k: jax.lax.conv_general_dilated(x, k, (1, 1), "SAME")
     classic = {"xla_cpu_use_fusion_emitters": False}
@@ -391,6 +396,7 @@ def test_a_program_with_a_convolution_compiles_with_the_classic_emitters_and_kee
     assert _compile.program_options(_jaxpr(conv, (8, 1, 8, 8), (4, 1, 3, 3)), mine) == mine  # explicit wins
 
 
+@cpu_only
 def test_handle_programs_record_the_options_they_were_compiled_with():
     n = _train(Reg())
     grad, opt = _entries("grad")[0], _entries("opt")[0]

@@ -226,7 +226,7 @@ def test_an_epoch_whose_steps_all_ran_but_was_not_counted_is_counted_next_not_re
     fields = sorted(set(b.routes["forward"].pick(split)) | set(b.routes["loss"].pick(split)))  # as train() picks
     control = _runs.RunControl(cut, 5)
     control.begin_epoch()
-    _loop.train_epoch(cut, split, fields, 5, control)  # epoch 2's steps; not counted
+    _loop.train_epoch(cut._state, cut._resolve, split, fields, 5, control)  # epoch 2's steps; not counted
     assert (cut.step, cut.epoch, cut._cursor[0]) == (10, 1, 5)
     assert control.where() == "epoch 2, step 5/5"
     cut.train(1)

@@ -13,6 +13,8 @@ import optax
 import pytest
 from flax import nnx
 
+from conftest import tol  # by backend: a GPU multiplies float32 at TF32 precision
+
 import nitro_ipy
 from nitro_ipy import Device, GraphConst, Nitro
 from nitro_ipy._compiler import _reuse
@@ -138,8 +140,8 @@ def test_rng_is_per_step_per_micro_batch_reproducible_and_resumed():
     np.testing.assert_allclose(seen, want, rtol=1e-6)
 
 
-def test_the_step_keys_are_computed_on_the_host_bit_for_bit(monkeypatch):
-    from nitro_ipy._training import _handle
+def test_the_step_keys_are_derived_on_the_device_bit_for_bit():
+    from nitro_ipy._training import _guard
     from nitro_ipy._experiment._model import host_step_keys, step_key
 
     for seed in (0, 3, 2**31 + 5, 2**32 - 1):
@@ -151,8 +153,14 @@ def test_the_step_keys_are_computed_on_the_host_bit_for_bit(monkeypatch):
             before = [np.asarray(jax.random.fold_in(jax.random.PRNGKey(np.uint32(seed)), np.uint32((start + i) % 2**32)))
                       for i in range(3)]
             np.testing.assert_array_equal(host_step_keys(seed, start, 3, None), before)
-    # a handle without micro-batches takes the step's key; windows of 3 keys roll over within the run
-    monkeypatch.setattr(_handle, "HOST_KEYS", 3)
+            # the gradient program's key: from the guard's seed, origin and step count, on the device
+            for i in range(3):
+                guard = _guard.fresh(1, seed, start)
+                guard[_guard.STEPS] = i
+                for m in (0, 5):
+                    np.testing.assert_array_equal(jax.jit(_guard.step_rng)(guard, m), want[2 * i + (m == 5)])
+                np.testing.assert_array_equal(jax.jit(_guard.step_rng)(guard), before[i])
+    # a handle without micro-batches takes the step's key, over epochs (a fresh guard each)
     seen = []
 
     @dataclasses.dataclass
@@ -281,12 +289,12 @@ def test_equinox_state_batchnorm_and_dropout_go_through_state(flat, tmp_path):
     _, want = _eqx_apply(init_params, jnp.asarray(data["train"]["x"]), state0, jax.random.PRNGKey(0), True)
     moved = jax.tree.map(lambda a, b: not np.allclose(a, b), n.state, state0)
     assert all(jax.tree.leaves(moved))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), n.state, want)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **tol(1e-5, 1e-6)), n.state, want)
     # train=False in evaluation and predict: dropout off, the running statistics used
     assert n.validate() == n.validate()
     out = n.predict({"x": data["valid"]["x"]})
     direct, _ = _eqx_apply(n.params, jnp.asarray(data["valid"]["x"]), n.state, jax.random.PRNGKey(1), False)
-    np.testing.assert_allclose(out, np.asarray(direct), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, np.asarray(direct), **tol(1e-5, 1e-6))
     misses = nitro_ipy.cache_stats().misses
     n2 = n.rebuild()  # carries the module (static leaves included), the State and the optimizer state
     assert isinstance(n2.state, eqx.nn.State) and n2.params.drop.p == 0.3 and n2.params.bn.axis_name == "batch"

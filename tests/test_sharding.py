@@ -15,6 +15,8 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import tol  # by backend: a GPU multiplies float32 at TF32 precision
+
 import nitro_ipy
 from nitro_ipy._base import _sharding
 from nitro_ipy._base._errors import NitroValueError
@@ -97,10 +99,10 @@ def assert_runs_agree(one: dict, many: dict):
     assert [r["epoch"] for r in one["rows"]] == [r["epoch"] for r in many["rows"]]
     for a, b in zip(one["rows"], many["rows"]):
         assert a.keys() == b.keys()
-        np.testing.assert_allclose([a[k] for k in a], [b[k] for k in a], rtol=1e-5)
+        np.testing.assert_allclose([a[k] for k in a], [b[k] for k in a], rtol=tol(1e-5)["rtol"])
     for k in one["params"]:
-        np.testing.assert_allclose(one["params"][k], many["params"][k], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(one["predict"], many["predict"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(one["params"][k], many["params"][k], **tol(1e-5, 1e-6))
+    np.testing.assert_allclose(one["predict"], many["predict"], **tol(1e-5, 1e-6))
 
 
 def test_data_parallel_matches_one_device_with_the_same_counts(tmp_path):
@@ -455,7 +457,7 @@ def test_two_processes_train_like_one(tmp_path, monkeypatch):
     one["validate"] = n.validate()
     for r in results:
         assert_runs_agree(one, r)
-        np.testing.assert_allclose(list(one["validate"].values()), list(r["validate"].values()), rtol=1e-5)
+        np.testing.assert_allclose(list(one["validate"].values()), list(r["validate"].values()), rtol=tol(1e-5)["rtol"])
         assert r["stats"][1:] == [6, 6]  # grad, opt, eval, metric x 2, predict, as on one device
     assert results[0]["rows"] == results[1]["rows"] and results[0]["validate"] == results[1]["validate"]
     # Each process sends only its own rows: half of each 32-row batch (and of the padded eval batches).
@@ -537,8 +539,8 @@ def test_two_processes_checkpoint_on_process_0_and_resume_alike(tmp_path, monkey
             assert r_["auto"] == p0["saved"]  # `resume="auto"` finds process 0's newest checkpoint
             assert r_["saved"]["step"] == 8 and r_["saved"]["epoch"] == 1
             for k in one:
-                np.testing.assert_allclose(r_["saved"]["params"][k], np.asarray(one[k]), rtol=1e-5, atol=1e-6)
-                np.testing.assert_allclose(r_["continued"][k], np.asarray(r.params[k]), rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(r_["saved"]["params"][k], np.asarray(one[k]), **tol(1e-5, 1e-6))
+                np.testing.assert_allclose(r_["continued"][k], np.asarray(r.params[k]), **tol(1e-5, 1e-6))
         assert p0["continued"] == p1["continued"]
     assert results[0]["sharded"]["spec"] == str(P(None, "data"))  # resumed sharded as the rule says
     assert sum(ln.startswith("nitro_ipy: resumed") for ln in printed[0]) == 4 and printed[1] == []

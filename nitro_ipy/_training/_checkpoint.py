@@ -38,6 +38,7 @@ from .._base._fingerprint import Unfingerprintable, fingerprint
 from .._base._report import Kind
 from .._base._sharding import is_main_process, wait_for_all
 from .._experiment._fields import short_repr
+from ._loop import Cursor
 
 FORMAT = 1
 SUFFIX = ".nitro.npz"
@@ -424,7 +425,7 @@ def restore(n, path) -> None:
     set_handle_state(n, state)
     n.step, n.epoch, n.seed = info["step"], info["epoch"], info["seed"]
     pos, total, count = info.get("cursor", (0, 0.0, 0))
-    n._cursor = (int(pos), float(total), int(count))
+    n._cursor = Cursor(int(pos), float(total), int(count))
     n.history.clear()  # the handle's own history object (a list of rows), refilled
     n.history.extend(info.get("history", []))
     _report.emit(Kind.RESUMED, path=str(path), step=n.step, epoch=n.epoch, notes=tuple(notes))

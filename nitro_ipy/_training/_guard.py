@@ -12,7 +12,10 @@ carried from step to step through the same program:
   at that step (1 = non-finite);
 - `guard[FINITE]`, `guard[SUM]`, `guard[COMP]`: how many steps had a finite loss, and the sum of those
   losses (float32 bits: a compensated sum and its compensation), so a sync point learns the epoch's loss
-  from the one transfer of the guard rather than one transfer per step's loss (`loss_sum`).
+  from the one transfer of the guard rather than one transfer per step's loss (`loss_sum`);
+- `guard[SEED]`, `guard[ORIGIN]`: the handle's seed (its 32 bits) and the optimizer step the guard was
+  made at, so the gradient program derives step `ORIGIN + STEPS`'s rng itself, on the device (`step_rng`):
+  no step hands the device a host value.
 
 `halt=True` (`on_nonfinite="raise"`) makes a bad step sticky: no later step of the epoch applies either,
 so the handle holds exactly the parameters of the last finite step when the loop sees the guard at its
@@ -28,7 +31,7 @@ import numpy as np
 from .._base._errors import NonFiniteLossError
 from .._experiment._checks import kind
 
-STEPS, BAD, FIRST, FINITE, SUM, COMP, WHY = 0, 1, 2, 3, 4, 5, 6
+STEPS, BAD, FIRST, FINITE, SUM, COMP, SEED, ORIGIN, WHY = 0, 1, 2, 3, 4, 5, 6, 7, 8
 
 
 def _floating(x) -> bool:
@@ -61,11 +64,23 @@ def _buffer_name(path) -> str:
     return f"the flat {key} buffer" if flat else f"`params{text}`"
 
 
-def fresh(n_parts: int) -> np.ndarray:
-    """A guard with no steps seen (a host value: transferred once, at the epoch's first step)."""
+def fresh(n_parts: int, seed: int = 0, step: int = 0) -> np.ndarray:
+    """A guard with no steps seen, made at optimizer step `step` of a handle seeded `seed` (a host value:
+    transferred once, at the epoch's first step)."""
     guard = np.zeros(WHY + n_parts, np.int32)
     guard[FIRST] = -1
+    guard[SEED], guard[ORIGIN] = np.array([int(seed) & 0xFFFFFFFF, int(step) & 0xFFFFFFFF], np.uint32).view(np.int32)
     return guard
+
+
+def step_rng(guard, micro=None):
+    """The rng of the step a guard is at (`_model.step_key`, bit for bit): `fold_in(PRNGKey(seed), step)`,
+    then `fold_in(., micro)` unless `micro` is None. Traced inside the gradient program: the step counter
+    lives on the device, in the guard the optimizer program advances."""
+    u32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint32)  # noqa: E731 - the 32 bits, as the host's
+    key = jnp.stack([jnp.zeros((), jnp.uint32), u32(guard[SEED])])
+    key = jax.random.fold_in(key, u32(guard[ORIGIN]) + u32(guard[STEPS]))  # wraps at 2**32, as the host's
+    return key if micro is None else jax.random.fold_in(key, micro)
 
 
 def bad_steps(guard) -> int:
@@ -126,7 +141,8 @@ def decide(guard, checked: list, halt: bool):
     apply = ~bad & (guard[BAD] == 0) if halt else ~bad
     first_time = bad & (guard[FIRST] < 0)
     head = jnp.stack([guard[STEPS] + 1, guard[BAD] + bad.astype(jnp.int32),
-                      jnp.where(first_time, guard[STEPS], guard[FIRST]), *_add_loss(guard, checked[0])])
+                      jnp.where(first_time, guard[STEPS], guard[FIRST]), *_add_loss(guard, checked[0]),
+                      guard[SEED], guard[ORIGIN]])
     why = jnp.where(first_time, bad_parts.astype(jnp.int32), guard[WHY:])
     return apply, jnp.concatenate([head, why])
 
@@ -190,11 +206,11 @@ def _nonfinite_leaves(layout, flat_grads) -> list[str]:
     return found
 
 
-def diagnose(n, guard, step0: int, batch_at, dev_at, regrad) -> NonFiniteLossError:
-    """The error for the first bad step of `guard` on handle `n`.
+def diagnose(s, guard, step0: int, batch_at, dev_at, regrad) -> NonFiniteLossError:
+    """The error for the first bad step of `guard` of a handle's `_loop.StepState` `s`.
 
     **Arguments:**
-    - `n`: the handle (its parameters are those before the bad step).
+    - `s`: the step state (its parameters are those before the bad step).
     - `guard`: the guard, on the host.
     - `step0`: the handle's step when the guard was made.
     - `batch_at(i)`: the epoch's `i`-th batch (regenerated: the loop's batches are deterministic).
@@ -206,11 +222,11 @@ def diagnose(n, guard, step0: int, batch_at, dev_at, regrad) -> NonFiniteLossErr
     index = first_bad(guard)
     step = step0 + index + 1
     batch, dev = batch_at(index), dev_at(step - 1)
-    names = labels(n._layout.ravel(n._model.split.trainable(n._params)), dev)
+    names = labels(s.layout.ravel(s.model.split.trainable(s.params)), dev)
     what = [name for name, bad in zip(names, np.asarray(guard[WHY:])) if bad]
     fields = _nonfinite_fields(batch)
     flat_grads, loss = regrad(batch, dev)
-    leaves = _nonfinite_leaves(n._layout, flat_grads)
+    leaves = _nonfinite_leaves(s.layout, flat_grads)
     dev_bad = [w for w in what if w.startswith("Device field")]
     loss_value = float(np.asarray(jax.device_get(loss)))
     if "the training loss" in what:
@@ -226,7 +242,7 @@ def diagnose(n, guard, step0: int, batch_at, dev_at, regrad) -> NonFiniteLossErr
         why.append(f"the batch's inputs are non-finite: field {', '.join(fields)}. Fix: clean the split "
                    f"before training (drop the rows, `np.nan_to_num`, or impute).")
     if dev_bad:
-        sched = [w for w in dev_bad if w.split("`")[1] in n._binding.schedules]
+        sched = [w for w in dev_bad if w.split("`")[1] in s.binding.schedules]
         shown = ", ".join(f"{w} = {np.asarray(dev[w.split('`')[1]]).tolist()}" for w in dev_bad)
         src = " (set by its schedule)" if sched else ""
         why.append(f"{shown}{src}. Fix: make the schedule return a finite value at step {step - 1}."
@@ -239,7 +255,7 @@ def diagnose(n, guard, step0: int, batch_at, dev_at, regrad) -> NonFiniteLossErr
         why.append("Fix: look for log(0) or division by zero in the `loss` hook (`jnp.log(x + 1e-8)`) and "
                    "lower the learning rate.")
     return NonFiniteLossError(
-        f"{head} at step {step} (epoch {n.epoch + 1}); that step's update was not applied: `n.params` and "
+        f"{head} at step {step} (epoch {s.epoch + 1}); that step's update was not applied: `n.params` and "
         f"the optimizer state are those after step {step - 1}, the last finite one, and the handle stays "
         f"usable. Cause: {' '.join(why)} To skip such steps instead, pass "
         f"`Nitro(..., on_nonfinite=\"skip\")` (skipped steps are counted on the epoch line)."

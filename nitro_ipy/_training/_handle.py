@@ -33,11 +33,9 @@ from .._experiment._checks import (
 )
 from .._experiment._data import check_splits, eval_batches, split_len, steps_per_epoch
 from .._experiment._model import (
-    HOST_KEYS,
     ParamSplit,
     check_given,
     check_state,
-    host_step_keys,
     run_init,
     strong,
 )
@@ -49,8 +47,14 @@ from .._experiment._optimizer import (
     make_layout,
 )
 from . import _ahead, _checkpoint, _loop, _progress, _runs
-from ._programs import EVAL, GRAD, METRIC, OPT, PREDICT, make_predict, program_key
+from ._loop import EPOCH_START, StepState
+from ._programs import EVAL, METRIC, PREDICT, make_predict, program_key
 from ._staleness import model_for, stale
+
+
+def _state_field(name: str) -> property:
+    """A handle attribute stored in its `_loop.StepState` (read and written through)."""
+    return property(lambda self: getattr(self._state, name), lambda self, v: setattr(self._state, name, v))
 
 
 class Nitro:
@@ -84,6 +88,11 @@ class Nitro:
       finite parameters; `"skip"`: the step is skipped and counted (`skipped` on the epoch line).
     - `stop_when`: `(metric, "min" | "max", patience)`: early stopping on an epoch row's metric, e.g.
       `("valid_loss", "min", 3)`; the row where it fires says so in `row["stopped"]`.
+    - `steps_per_execution`: K optimizer steps per program call (Keras's name; default 1): K steps run in
+      one `lax.scan` program, so the host dispatches once per K steps. Adds one program (`steps`) to the
+      two per-step ones, which still run each epoch's first step and the steps left over when K does not
+      divide the rest. Results equal the per-step loop's (same rng, schedules, skipped steps); Ctrl-C and
+      `run.stop()` land between calls, every K steps. One device only (no `mesh`).
     """
 
     def __init__(
@@ -110,12 +119,13 @@ class Nitro:
         keep_best: tuple | None = None,
         on_nonfinite: str = "raise",
         stop_when: tuple | None = None,
+        steps_per_execution: int = 1,
     ):
         options = dict(
             data=data, batch_size=batch_size, max_epochs=max_epochs, accum=accum,
             schedules=schedules, seed=seed, progress=progress, flat_params=flat_params,
             mesh=mesh, data_axis=data_axis, param_sharding=param_sharding,
-            on_nonfinite=on_nonfinite, stop_when=stop_when,
+            on_nonfinite=on_nonfinite, stop_when=stop_when, steps_per_execution=steps_per_execution,
         )
         # Checkpointing is checked before setup: a bad setting fails fast, before `init` runs.
         checkpoints = (None if checkpoint_every is None
@@ -142,9 +152,18 @@ class Nitro:
 
     @in_mesh(lambda self, e, options, carry, given=None: options["mesh"])
     def _setup(self, e, options: dict, carry: tuple | None, given: tuple | None = None):
+        # What training advances (params, states, step, epoch, cursor, guard) lives in one object the
+        # step loop receives (`_loop.StepState`); the handle's attributes of the same names forward to it.
+        self._state = StepState()
         batch_size, max_epochs, accum = options["batch_size"], options["max_epochs"], options["accum"]
-        for name, value in (("batch_size", batch_size), ("max_epochs", max_epochs), ("accum", accum)):
+        per_execution = options.get("steps_per_execution", 1)
+        for name, value in (("batch_size", batch_size), ("max_epochs", max_epochs), ("accum", accum),
+                            ("steps_per_execution", per_execution)):
             check_positive_int(name, value)
+        if per_execution > 1 and options["mesh"] is not None:
+            raise NitroValueError(
+                f"`steps_per_execution={per_execution}` runs on one device; got a `mesh=` too. Fix: drop "
+                f"`steps_per_execution` (a mesh runs one step a call) or the mesh.")
         self.batch_size, self.max_epochs, self.accum = int(batch_size), int(max_epochs), int(accum)
         self.seed, self.progress, self.flat_params = options["seed"], options["progress"], options["flat_params"]
         self._options = options
@@ -195,21 +214,14 @@ class Nitro:
         self._opt_state = opt_state
         self._settings = {"accum": self.accum, "layout": self._layout.signature, "statics": split.signature,
                           "on_nonfinite": self.on_nonfinite}  # what specs' options name
-        # How `_seed_step` places the rng argument: None (no hook wants `rng`), False (as a host array),
-        # or the mesh placement that replicates it. A method, not a lambda over `self`: a handle in a
-        # reference cycle outlives its last name until a garbage collection, and its programs with it.
-        self._rng_place = None if not b.wants_rng else place if on_mesh else False
-        self._host_keys = (None, 0, ())  # (seed, first step, keys): `_seed_step`'s window
-
-        # Where an epoch an interrupt cut short stopped: (its steps taken, their loss sum and count); the
-        # next train() goes on from there (`_loop.train_epoch`). (0, 0.0, 0) at an epoch boundary.
-        self._cursor = (0, 0.0, 0)
+        st = self._state  # the rest of what the step loop reads, fixed from here on
+        st.binding, st.model, st.layout, st.place = b, self._model, self._layout, place
+        st.batch_size, st.accum, st.on_nonfinite = self.batch_size, self.accum, self.on_nonfinite
+        st.per_execution, st.wants_rng = int(per_execution), b.wants_rng
+        # Where an epoch an interrupt cut short stopped (`_loop.Cursor`: its steps taken, their loss sum
+        # and count); the next train() goes on from there. `EPOCH_START` at an epoch boundary.
+        self._cursor = EPOCH_START
         self._programs: dict = {}  # key -> Entry: what this handle runs (kept even if poisoned)
-        self._guard_parts = None  # values a step's guard checks (`_loop.guard_parts`), once known
-        # Params or optimizer state handed out since the last step: the next one copies them before it
-        # donates them, if they are still held (`_loop.unshare`).
-        self._shared = True
-        self._progress = None  # the running train() call's `_progress.Progress`, read by the step loop
         self._curve: list = []  # (epoch position, train loss) at sync points: the chart of the panel and `plot()`
         self._kinds_seen: dict = {}  # kind -> key of the first program of that kind
         self._loops_reported: set = set()
@@ -297,6 +309,22 @@ class Nitro:
             f"programs={len(self._programs)}, stale={bool(stale(self, scan=False).programs)})"
         )
 
+    # What training advances lives in the step state (`_loop.StepState`); these names forward to it.
+    step = property(lambda self: self._state.step, lambda self, v: setattr(self._state, "step", v),
+                    doc="Optimizer steps taken.")
+    epoch = property(lambda self: self._state.epoch, lambda self, v: setattr(self._state, "epoch", v),
+                     doc="Epochs completed.")
+    seed = property(lambda self: self._state.seed, lambda self, v: setattr(self._state, "seed", v),
+                    doc="Seeds `init`, the per-epoch shuffle and each step's `rng`.")
+    _params = _state_field("params")
+    _model_state = _state_field("model_state")
+    _opt_state = _state_field("opt_state")
+    _dev = _state_field("dev")
+    _cursor = _state_field("cursor")
+    _guard = _state_field("guard")
+    _shared = _state_field("shared")
+    _progress = _state_field("progress")
+
     # Documented internal names (see the module docstring): the binding's, under the handle's old names.
     _view = property(lambda self: self._binding.view)
     _forward = property(lambda self: self._binding.forward)
@@ -340,29 +368,6 @@ class Nitro:
         self._programs[key] = entry
         _ahead.resolved(self, spec, key, args, hook, fields)
         return entry
-
-    def _seed_step(self, step: int):
-        """The gradient program's rng argument for `step` (replicated on a mesh), or None: the step's key
-        (`_model.step_key`; before the micro-batch is folded in when `accum > 1`), from a window of
-        `HOST_KEYS` keys computed at once on the host."""
-        place = self._rng_place
-        if place is None:
-            return None
-        seed, start, keys = self._host_keys
-        if not 0 <= step - start < len(keys) or seed != self.seed:  # (a resume sets the seed it saved)
-            seed, start, keys = self._host_keys = (self.seed, step, host_step_keys(
-                self.seed, step, HOST_KEYS, 0 if self.accum == 1 else None))
-        key = keys[step - start]
-        return key if place is False else place.replicate(key)
-
-    def _grad_entry(self, batch):
-        routes = self._binding.routes
-        args = (self._params, self._model_state, self._dev, batch, self._seed_step(self.step))
-        return self._resolve(GRAD, args, inputs=routes["forward"].pick(batch), targets=routes["loss"].pick(batch))
-
-    def _opt_entry(self, flat_grads, loss, guard):
-        return self._resolve(OPT, (self._params, flat_grads, self._opt_state, self._dev, loss, guard),
-                             halt=self.on_nonfinite == "raise")
 
     # ---------------------------------------------------------------- entry points
     def _enter(self, what: str = "this entry point"):
@@ -429,11 +434,11 @@ class Nitro:
             if control.pending:  # a stop asked for between epochs (during validation)
                 raise KeyboardInterrupt
             control.begin_epoch()
-            loss, skipped = _loop.train_epoch(self, split, fields, steps, control)
+            loss, skipped = _loop.train_epoch(self._state, self._resolve, split, fields, steps, control)
             row = {"epoch": self.epoch + 1, "loss": loss}
             if self.on_nonfinite == "skip":
                 row["skipped"] = skipped
-            self._cursor, self.epoch = (0, 0.0, 0), self.epoch + 1  # counted: no signal handler runs between the two stores
+            self._cursor, self.epoch = EPOCH_START, self.epoch + 1  # counted: no signal handler runs between the two stores
             # In the history before validation, so an interrupt there keeps the epoch's row.
             self.history.append(row)
             rows.append(row)

@@ -4,12 +4,16 @@ Every builder takes the hooks as plain functions (bound later to the compile vie
 function that `jax.jit(...).lower(...)` traces:
 
 - gradient: `(params, state, dev, batch, rng) -> (flat grads, mean loss, new state)`, a `lax.scan` over
-  `accum` micro-batches (`rng` is `[seed, step]`, or None when no hook declares `rng`);
+  `accum` micro-batches (`rng` is the step's guard, from which it derives the step's key on the device,
+  or None when no hook declares `rng`);
 - optimizer: `(params, flat grads, opt state, dev, loss, guard) -> (params, opt state, guard)`, separate
   even at accum=1; a non-finite step keeps the old params and state (`_guard`);
 - evaluation forward: `(params, state, dev, inputs, targets, n_valid) -> (outputs, loss sum over valid rows)`;
 - device metric: `(dev, outputs, fields) -> {name: (sum, count)}`;
-- predict: `(params, state, dev, inputs) -> outputs`.
+- predict: `(params, state, dev, inputs) -> outputs`;
+- steps (`steps_per_execution=K`): `(params, state, opt state, dev, batches, schedule, guard) -> (params,
+  state, opt state, guard)`, K optimizer steps (gradient then optimizer, as above) in one `lax.scan` over
+  K stacked batches and the K steps' scheduled Device values.
 
 `params` is the dynamic tree of `_model.ParamSplit` (static leaves are None and baked in); `state` is the
 model state (None when `forward` does not declare it).
@@ -31,7 +35,7 @@ from .._compiler._compile import OPTIMIZER_OPTIONS
 from .._experiment._checks import check_loss, check_metric_result
 from .._experiment._model import EVAL_KEY_SEED, forward_result
 from .._experiment._optimizer import update_args
-from ._guard import decide, gated, kept_if_finite, parts
+from ._guard import decide, gated, kept_if_finite, parts, step_rng
 
 
 def call_forward(model, owner, forward, view, params, inputs: dict, state, key, train: bool):
@@ -87,18 +91,19 @@ def make_gradient(view_of, forward, loss, input_names, target_names, model, accu
             outputs, state = forward_of(*args, view=view)
         return call_loss(model, loss, view, outputs, {k: batch[k] for k in target_names}, True), state
 
-    def gradient(params, state, dev, batch, step_rng):
+    def gradient(params, state, dev, batch, rng):
         state_in = state
         view = view_of(dev)
         trainable = split.trainable(params)
-        # `step_rng` is the step's key computed on the host (`Nitro._seed_step`): with micro-batches, the
-        # key each one folds in its index to (the `step_key` rule); else the key itself.
-        if step_rng is None:
+        # `rng` is the step's guard, which holds the seed and the step counter: the key (the `step_key`
+        # rule) is derived here, on the device; micro-batch `i` folds in `i`, a whole batch 0.
+        if rng is None:
             key = lambda i: None  # noqa: E731
         elif accum == 1:
-            key = lambda i: step_rng  # noqa: E731
+            key = lambda i: step_rng(rng, 0)  # noqa: E731
         else:
-            key = lambda i: jax.random.fold_in(step_rng, i)  # noqa: E731
+            base = step_rng(rng)
+            key = lambda i: jax.random.fold_in(base, i)  # noqa: E731
         value_and_grad = jax.value_and_grad(loss_of, has_aux=True)
         if accum == 1:
             (value, state), grads = value_and_grad(trainable, params, state, dev, view, batch, key(0))
@@ -146,6 +151,27 @@ def make_optimizer(view_of, optimizer, model, halt: bool = True):
         return new_params, new_state, guard
 
     return update
+
+
+def make_steps(gradient, update, wants_rng: bool):
+    """K optimizer steps in one program: the gradient and optimizer programs' functions, called in a
+    `lax.scan` over the stacked batches (leading axis K) and scheduled Device values (`{field: [K, ...]}`,
+    each step's values as the per-step loop would set them). The guard is carried through, so each step's
+    rng, skip decision and loss sum are those of the per-step loop."""
+
+    def steps(params, state, opt_state, dev, batches, schedule, guard):
+        def one(carry, xs):
+            params, state, opt_state, guard = carry
+            batch, values = xs
+            step_dev = {**dev, **values}
+            flat_grads, loss, state = gradient(params, state, step_dev, batch, guard if wants_rng else None)
+            params, opt_state, guard = update(params, flat_grads, opt_state, step_dev, loss, guard)
+            return (params, state, opt_state, guard), None
+
+        carry, _ = jax.lax.scan(one, (params, state, opt_state, guard), (batches, schedule))
+        return carry
+
+    return steps
 
 
 def per_example_loss(view, loss, outputs, targets: dict):
@@ -208,6 +234,26 @@ class Spec:
     compiler_options: dict | None = None  # XLA options on top of `_compile.program_options`' policy
     loops: bool = False  # a recompile with the same hooks is a loop worth a message (the training step)
 
+    def pack(self, **named) -> tuple:
+        """The program's arguments in its order, from their names (`args`): the one place that order is
+        written. A missing or unknown name is a bug here, said plainly."""
+        if len(named) != len(self.args):
+            extra, missing = set(named) - set(self.args), set(self.args) - set(named)
+            raise TypeError(f"the {self.kind} program takes {self.args}; missing {sorted(missing)}, "
+                            f"unknown {sorted(extra)}")
+        return tuple(map(named.__getitem__, self.args))
+
+    def packer(self, given: tuple, **sources: str):
+        """`pack` for a hot loop: a function `(s, *given) -> arguments`, in this program's order, built once
+        from `args` (as `collections.namedtuple` builds its methods): each argument is one of `given`
+        or the expression `sources` names for it (reading the object `s`). A call costs what a tuple
+        written out by hand would; `pack` costs a dict."""
+        missing = [a for a in self.args if a not in given and a not in sources]
+        if missing or set(given) & set(sources) or not set(given) | set(sources) <= set(self.args):
+            raise TypeError(f"the {self.kind} program takes {self.args}; got {given} and {sorted(sources)}")
+        items = ", ".join(a if a in given else f"({sources[a]})" for a in self.args)
+        return eval(f"lambda s, {', '.join(given)}: ({items},)", {})  # noqa: S307 - our own names only
+
 
 def _build_grad(b, model, accum, hook, *, inputs, targets):
     """The gradient program, calling its forward through a warmed `_reuse.Forward` when one is keyed
@@ -228,6 +274,12 @@ def _build_grad(b, model, accum, hook, *, inputs, targets):
 
 def _build_opt(b, model, accum, hook, *, halt=True):
     return make_optimizer(b.view, b.optimizer, model, halt)
+
+
+def _build_steps(b, model, accum, hook, *, inputs, targets, halt=True):
+    owner = b.cls.__qualname__
+    gradient = make_gradient(b.view, b.forward, b.loss, inputs, targets, model, accum, owner)
+    return make_steps(gradient, make_optimizer(b.view, b.optimizer, model, halt), b.wants_rng)
 
 
 def _build_eval(b, model, accum, hook, *, inputs, targets):
@@ -252,7 +304,12 @@ EVAL = Spec("eval", ("forward", "loss"), ("params", "state", "device", "inputs",
 METRIC = Spec("metric", (), ("device", "outputs", "fields"), _build_metric)  # one per hook: `metric:<hook>`
 PREDICT = Spec("predict", ("forward",), ("params", "state", "device", "inputs"), _build_predict,
                options=("statics",))
-SPECS = {s.kind: s for s in (GRAD, OPT, EVAL, METRIC, PREDICT)}
+# `steps_per_execution=K`: the one more program K > 1 adds (the per-step two still run an epoch's first step
+# and the steps left over when K does not divide the rest). Params, optimizer state and guard are donated.
+STEPS = Spec("steps", ("forward", "loss", "optimizer"),
+             ("params", "state", "opt_state", "device", "batches", "schedule", "guard"), _build_steps,
+             options=("accum", "layout", "statics", "on_nonfinite"), donate=(0, 2, 6), loops=True)
+SPECS = {s.kind: s for s in (GRAD, OPT, STEPS, EVAL, METRIC, PREDICT)}
 
 
 def program_key(spec: Spec, binding, args: tuple, settings: dict, hook: str | None = None) -> Key:
