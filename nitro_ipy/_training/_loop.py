@@ -91,7 +91,7 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
     place = n._place  # on a mesh, each batch is split along the data axis as it is drawn
     # An epoch an interrupt cut short goes on at its next batch, with the losses it had: an interrupted
     # (or checkpointed mid-epoch and resumed) run takes the uninterrupted run's steps, in its order.
-    start, total, n_loss = n._cursor if n._cursor[0] <= steps else (0, 0.0, 0)
+    start, total, n_loss = n._cursor if steps is None or n._cursor[0] <= steps else (0, 0.0, 0)
     n._cursor = (start, total, n_loss)  # read by `nonfinite_error` while the epoch runs
     if start == steps:  # every step was taken, the epoch not counted yet (Ctrl-C after its last step)
         return mean_loss(total, n_loss), 0  # the caller counts it and resets the cursor
@@ -112,7 +112,10 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
         with gate.installed():
             # First step: resolve both programs (maybe compiling); they stay fixed for the epoch when
             # the optimizer hands back parameters and state of the avals it was compiled for.
-            batch = next(batches)
+            batch = next(batches, None)
+            if batch is None:  # a loader's pass ended where the cut epoch stood: every step was taken
+                settled = True
+                return mean_loss(total, n_loss), 0
             if schedules:  # checked: type, dtype, shape, finite; then replicated on a mesh
                 place.schedules(binding.first_schedules)(dev, n.step)
             grad, opt, _ = keyed_step(n, batch, gate)
@@ -168,7 +171,7 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
             n._cursor = (start + n.step - step0, total, n_loss)
     # Every step taken: the cursor stays at the epoch's end until the caller counts the epoch, so a
     # Ctrl-C landing in between leaves an epoch the next call counts, never one it replays.
-    n._cursor = (steps, total + seen[0], n_loss + seen[1])
+    n._cursor = (start + n.step - step0, total + seen[0], n_loss + seen[1])
     return mean_loss(total + seen[0], n_loss + seen[1]), _guard.bad_steps(guard)
 
 

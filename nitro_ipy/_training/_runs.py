@@ -92,7 +92,7 @@ class RunControl(InterruptGate):
         """`epoch 4, step 204/427`, or `epoch 4, validating` once its steps are done."""
         if self.validating or self.handle.epoch >= self.epoch:  # its steps done and the epoch counted
             return f"epoch {self.epoch}, validating"
-        return f"epoch {self.epoch}, step {self.handle.step - self.epoch_start}/{self.steps}"
+        return f"epoch {self.epoch}, step {self.handle.step - self.epoch_start}/{'?' if self.steps is None else self.steps}"
 
 
 def foreground(control: RunControl, work):
