@@ -123,8 +123,8 @@ def _loader_steps(loader: Loader, fields, accum: int, start: int):
     last batch is dropped, as an array split's partial batch is."""
     group, taken = [], start
     for arrays, rows in loader.batches(skip=start * accum):
-        if rows < loader.width:
-            break
+        if rows < loader.width:  # the last (`Loader.batches` refuses a short one followed by more)
+            continue
         group.append({f: arrays[f] for f in fields})
         if len(group) == accum:
             yield group[0] if accum == 1 else _stack(group)
