@@ -117,22 +117,26 @@ def _ctrl_c_at(step):
     return lr
 
 
+# Ctrl-C mid-epoch 2 (global step 8, 6 steps an epoch), and at epoch 1's last step (all its steps taken,
+# the epoch not counted): the torch-style loader's length (7) counts its ragged batch, so the next call
+# finds the pass ended before the progress total.
+@pytest.mark.parametrize("at, where", [(8, (9, 1, 3)), (5, (6, 0, 6))], ids=["mid-epoch", "after-last-step"])
 @pytest.mark.parametrize("source", [gen_batches, TorchStyle()], ids=["generator-function", "torch-style"])
-def test_a_loader_interrupted_and_resumed_from_a_checkpoint_equals_an_uninterrupted_run(tmp_path, source):
+def test_a_loader_interrupted_and_resumed_from_a_checkpoint_equals_an_uninterrupted_run(tmp_path, source, at, where):
     straight = Nitro(Reg(), data={"train": source}, batch_size=16, progress=False, schedules={"lr": lambda s: 1e-2})
     straight.train(3)
-    cut = Nitro(Reg(), data={"train": source}, batch_size=16, progress=False, schedules={"lr": _ctrl_c_at(8)})
+    cut = Nitro(Reg(), data={"train": source}, batch_size=16, progress=False, schedules={"lr": _ctrl_c_at(at)})
     with pytest.raises(nitro_ipy.TrainingInterrupted):
         cut.train(3)
-    assert (cut.step, cut.epoch, cut._cursor[0]) == (9, 1, 3)
+    assert (cut.step, cut.epoch, cut._cursor[0]) == where
     path = cut.save(tmp_path / "mid", wait=True)
     info, _ = _checkpoint.read(path)
-    assert info["data"]["kind"] == "loader" and info["data"]["batches_taken"] == 3
+    assert info["data"]["kind"] == "loader" and info["data"]["batches_taken"] == where[2]
     assert info["data"]["exact"] is False  # said: a loader is replayed, not restored
     resumed = Nitro(Reg(), data={"train": source}, batch_size=16, progress=False,
                     schedules={"lr": lambda s: 1e-2}, resume=path)
     notes = _checkpoint.resume_data_notes(info, resumed)
-    assert notes and "loader" in notes[0] and "first 3 batches" in notes[0]
+    assert notes and "loader" in notes[0] and f"first {where[2]} batches" in notes[0]
     resumed.train(3 - resumed.epoch)
     cut.train(3 - cut.epoch)  # and in this process: the next train() goes on at batch 3
     for n in (resumed, cut):
@@ -246,6 +250,18 @@ def test_host_chunks_and_device_gathers_give_the_reference_batches(monkeypatch, 
         for f in ("x", "y"):
             assert np.array_equal(h[f], w[f]) and np.array_equal(np.asarray(d[f]), w[f])
             assert isinstance(d[f], jax.Array)
+
+
+def test_on_an_accelerator_host_and_loader_batches_go_to_the_device_one_step_ahead(monkeypatch):
+    split = data(64)
+    want = list(_data.train_batches(split, ["x", "y"], 16, 1, (0, 0)))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the branch an accelerator takes
+    host = list(_pipeline.train_batches(split, ["x", "y"], 16, 1, (0, 0)))
+    loader = _data.Loader("train", lambda: iter(want))
+    loaded = list(_pipeline.train_batches(loader, ["x", "y"], 16, 1, (0, 0)))
+    for got in (host, loaded):
+        assert len(got) == 4 and all(isinstance(b[f], jax.Array) for b in got for f in b)
+        assert all(np.array_equal(np.asarray(g["x"]), w["x"]) for g, w in zip(got, want))
 
 
 @pytest.mark.parametrize("accum", [1, 2])

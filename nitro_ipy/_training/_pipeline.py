@@ -45,14 +45,14 @@ def train_batches(split, fields, batch_size: int, accum: int, epoch_seed, start:
     """The batches of `_data.train_batches` (same order, same shapes), each on the device when the split
     is device-resident, from the `start`-th on (an epoch an interrupt cut short goes on where it stopped,
     in the same order). `split` is a dict of host arrays, a `Resident` or a `_data.Loader`."""
+    if isinstance(split, Resident):
+        return _stepping(split.steps(fields, batch_size, accum, epoch_seed, start))
     if isinstance(split, Loader):
         steps = _loader_steps(split, fields, accum, start)
-    elif isinstance(split, Resident):
-        steps = split.steps(fields, batch_size, accum, epoch_seed, start)
     else:
         steps = _host_steps(split, fields, batch_size, accum, epoch_seed, start)
-        if jax.default_backend() != "cpu":
-            steps = _ahead_of_time(steps)
+    if jax.default_backend() != "cpu":  # host batches (a loader's too) go to the device a step ahead
+        steps = _ahead_of_time(steps)
     return _stepping(steps)
 
 
@@ -78,14 +78,17 @@ def _ahead_of_time(batches):
     """Each batch sent to the device one step ahead: the next batch's transfer starts before the step
     of this one is dispatched."""
     it = iter(batches)
-    ahead = next(it, None)
-    if ahead is None:
-        return
-    ahead = jax.device_put(ahead)
-    for nxt in it:
-        batch, ahead = ahead, jax.device_put(nxt)
-        yield batch
-    yield ahead
+    try:
+        ahead = next(it, None)
+        if ahead is None:
+            return
+        ahead = jax.device_put(ahead)
+        for nxt in it:
+            batch, ahead = ahead, jax.device_put(nxt)
+            yield batch
+        yield ahead
+    finally:
+        it.close()  # a loader's pass closed when the loop stops early (Ctrl-C, an error)
 
 
 def epoch_order(n: int, per_step: int, epoch_seed) -> np.ndarray:
