@@ -383,3 +383,47 @@ def test_a_4gib_memory_mapped_npy_trains_without_reading_it_into_memory(tmp_path
     assert got["before"]["RssFile"] < (256 << 20)  # setup read nothing of the file
     anon = got["after"]["RssAnon"] - got["before"]["RssAnon"]  # the file's pages are the page cache's, reclaimable
     assert anon < (1 << 30) // 4, f"anonymous memory grew by {anon / 2**20:.0f} MiB training a 4 GiB memmap"
+
+
+_RUN_AHEAD = textwrap.dedent("""
+    import dataclasses, json
+    import jax.numpy as jnp, numpy as np
+    from nitro_ipy import Nitro
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+
+    @dataclasses.dataclass
+    class Heavy:  # device-bound: a host making batches outruns it
+        def init(self, rng):
+            return {"w": jnp.zeros((1024, 256)), "v": jnp.zeros((256,))}
+        def forward(self, params, *, x):
+            return jnp.tanh(x @ params["w"]) @ params["v"]
+        def loss(self, outputs, *, y):
+            return jnp.mean((outputs - y) ** 2)
+
+    y = np.zeros(4096, np.float32)
+    def batches():  # 16 MiB batches, made fast
+        for i in range(48):
+            yield {"x": np.full((4096, 1024), i % 7, np.float32), "y": y}
+    n = Nitro(Heavy(), data={"train": batches}, batch_size=4096, progress=False)
+    n.train(1)  # compiles
+    before = status("VmRSS")
+    open("/proc/self/clear_refs", "w").write("5")
+    n.train(1)
+    print(json.dumps({"growth": status("VmHWM") - before, "steps": n.step}))
+""")
+
+
+def test_a_host_outrunning_the_device_queues_a_few_batches_not_the_epoch():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), NITRO_IPY_AHEAD="0",
+               JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", _RUN_AHEAD], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["steps"] == 96
+    # 48 batches of 16 MiB an epoch: unbounded, the queue held most of them (+275 MiB measured; paced: +16 MiB)
+    assert got["growth"] < (128 << 20), f"peak RSS grew by {got['growth'] / 2**20:.0f} MiB"

@@ -26,7 +26,7 @@ from .._base._errors import NonFiniteLossError
 from .._compiler import _cache
 from .._experiment._carry import copy_arrays
 from . import _guard
-from ._pipeline import RUN_AHEAD, train_batches
+from ._pipeline import run_ahead, train_batches
 
 _SYNC_SECONDS = 0.25  # how often losses are checked, reuse counted and the live panel told
 
@@ -128,9 +128,9 @@ def train_epoch(n, split: dict, fields, steps: int, gate: InterruptGate | None =
             grad_call, opt_call, seed_step = grad.call, opt.call, n._seed_step
             perf_counter = time.perf_counter
             # How many steps this loop may run ahead of the device: a CPU mesh's own bound (`_sharding.pace`),
-            # else the pipeline's: each queued step holds its batch, so an unbounded lead grows host memory
-            # by a batch a step whenever the host outruns the device (`_pipeline.RUN_AHEAD`).
-            ahead = place.ahead or RUN_AHEAD
+            # else the pipeline's: each queued step holds its batch, so an unbounded lead grows memory by a
+            # batch a step whenever the host outruns the device (`_pipeline.run_ahead`).
+            ahead = place.ahead or run_ahead(batch)
             recent = collections.deque(maxlen=ahead + 1)  # the last steps' losses, kept only to pace by
             next_sync = perf_counter() + _SYNC_SECONDS
             for batch in batches:

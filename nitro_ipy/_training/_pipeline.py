@@ -36,10 +36,14 @@ from .._base import _events
 from .._base._errors import NitroTypeError, NitroValueError
 from .._experiment._data import Loader, split_len, split_nbytes
 
-# Steps the loop may dispatch ahead of the device (`_loop`): a queued step holds its batch's copy until it
-# runs, so without a bound a host faster than the device queues the epoch (measured on the CPU: +272 MiB
-# for 64 steps of 16 MiB batches, +48 MiB when each step waited). A few keep the device fed.
+# How far the loop may dispatch ahead of the device (`_loop`, `run_ahead`): a queued step holds its batch's
+# copy until it runs, so without a bound a host faster than the device queues the epoch (measured on the
+# CPU: +272 MiB for 64 steps of 16 MiB batches, +48 MiB when each step waited). The bound is in bytes of
+# batches, at least RUN_AHEAD steps (the device stays fed); a small batch never waits in practice (a wait
+# per step costs a tiny dispatch-bound model up to a third of its speed on the CPU).
 RUN_AHEAD = 3
+RUN_AHEAD_BYTES = 16 << 20
+RUN_AHEAD_MAX = 1024
 CHUNK_BYTES = 8 << 20  # a host gather's size: large enough that its Python cost is nothing per step
 DEVICE_CHUNK_STEPS = 32  # steps a device gather takes at once (one program call)
 DEVICE_CHUNK_BYTES = 64 << 20
@@ -58,6 +62,12 @@ def train_batches(split, fields, batch_size: int, accum: int, epoch_seed, start:
     if jax.default_backend() != "cpu":  # host batches (a loader's too) go to the device a step ahead
         steps = _ahead_of_time(steps)
     return _stepping(steps)
+
+
+def run_ahead(batch: dict) -> int:
+    """Steps the loop may run ahead of the device with batches like `batch` in flight."""
+    nbytes = sum(int(getattr(a, "nbytes", 0)) for a in batch.values())
+    return max(RUN_AHEAD, min(RUN_AHEAD_MAX, RUN_AHEAD_BYTES // max(nbytes, 1)))
 
 
 def _stepping(batches):
