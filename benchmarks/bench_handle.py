@@ -15,6 +15,10 @@ Targets (lower ratio = nitro faster):
    `opt` comes from the cache) vs re-running the cell that defines the jitted step + one epoch .. <= 0.50x
 3. compile seconds (trace + XLA) of nitro's grad / opt / eval programs at 242 arrays, and the baseline's
 4. per-step Python overhead of the handle, in microseconds (epoch time / steps, minus the baseline's)
+5. host split of 256 MiB (a linear model, so the input pipeline dominates): the bounded pipeline (a
+   few steps gathered at a time) against the whole-epoch gather it replaced, same handle, interleaved
+   epochs: steady epoch ratio ................................................ <= 1.05x (issue 33)
+   and each one's peak RSS growth during an epoch (`/proc/self/status` VmHWM, reset before each epoch)
 
 Usage:
     python3 benchmarks/bench_handle.py            # full run (~2 min on 2 cores)
@@ -44,7 +48,7 @@ from nitro_ipy import Nitro  # noqa: E402
 from nitro_ipy._compiler import _cache, _compile  # noqa: E402
 from nitro_ipy._base import _report
 
-TARGETS = {"tiny_epoch": 1.00, "deep_epoch": 0.60, "edit_cycle": 0.50, "issue_epoch": 1.00}
+TARGETS = {"tiny_epoch": 1.00, "deep_epoch": 0.60, "edit_cycle": 0.50, "issue_epoch": 1.00, "host_split_epoch": 1.05}
 
 # Short epochs, many interleaved rounds: on a shared 2-core machine a burst of load then lands on both
 # sides of a pair, and the median of the paired ratios shrugs it off.
@@ -55,9 +59,11 @@ FULL = dict(
 )
 # A dispatch-bound model our other rows did not pick (issue 15): progress bar on, as a notebook user has it.
 FULL["issue"] = dict(in_dim=32, width=32, depth=1, batch=64, steps=256, rounds=21, progress=True)
+FULL["host"] = dict(mib=256, width=256, batch=1024, rounds=9)
 QUICK = dict(
     issue=dict(in_dim=32, width=32, depth=1, batch=64, steps=256, rounds=5, progress=True),
     tiny=dict(in_dim=8, width=32, depth=1, batch=32, steps=200, rounds=9),
+    host=dict(mib=256, width=256, batch=1024, rounds=3),
     deep=dict(in_dim=16, width=32, depth=H.QUICK_DEPTH, batch=64, steps=16, rounds=5, cycles=1, helper_cycles=0,
               valid=128, variant_rounds=0),
 )
@@ -306,6 +312,86 @@ def edit_cycles(cells, name, cfg, n, b) -> dict:
     }
 
 
+def whole_epoch_batches(split, fields, batch_size, accum, epoch_seed, start=0):
+    """The pipeline before issue 33 (CPU branch), kept as this row's baseline: one fancy index per field
+    over the whole shuffled epoch (a full copy of the split), then each step a view of it."""
+    from nitro_ipy._experiment._data import split_len
+    from nitro_ipy._training import _ahead
+
+    n = split_len(split)
+    per_step = batch_size * accum
+    steps = n // per_step
+    perm = np.random.default_rng(epoch_seed).permutation(n)[: steps * per_step]
+    views = [split[f][perm].reshape((steps, batch_size) + split[f].shape[1:]) for f in fields]
+    try:
+        for s in range(start, steps):
+            if s == start + 1:
+                _ahead.stepping(True)
+            yield dict(zip(fields, [v[s] for v in views]))
+    finally:
+        if steps > start + 1:
+            _ahead.stepping(False)
+
+
+def _rss(key: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def host_split(cfg) -> dict:
+    """Row 5: one handle on a `cfg["mib"]` MiB host split, its epochs alternating between the bounded
+    pipeline and the whole-epoch gather (the loop's `train_batches` swapped), paired ratios."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from nitro_ipy._training import _loop, _pipeline
+
+    @dataclasses.dataclass
+    class Lin:
+        def init(self, rng):
+            return {"w": jnp.zeros((cfg["width"],))}
+
+        def forward(self, params, *, x):
+            return x @ params["w"]
+
+        def loss(self, outputs, *, y):
+            return jnp.mean((outputs - y) ** 2)
+
+    rows = (cfg["mib"] << 20) // (cfg["width"] * 4)
+    x = np.random.default_rng(0).normal(size=(rows, cfg["width"])).astype(np.float32)
+    y = x[:, :4].sum(1)
+    n = Nitro(Lin(), data={"train": {"x": x, "y": y}}, batch_size=cfg["batch"], progress=False,
+              data_on_device=False)
+    n.train()  # compiles
+    sides = {"bounded": _pipeline.train_batches, "whole_epoch": whole_epoch_batches}
+    times, growth = {k: [] for k in sides}, {k: [] for k in sides}
+    clear = os.path.exists("/proc/self/clear_refs")
+    try:
+        for r in range(cfg["rounds"]):
+            for side in (sides if r % 2 == 0 else list(sides)[::-1]):
+                _loop.train_batches = sides[side]
+                gc.collect()
+                if clear:
+                    with open("/proc/self/clear_refs", "w") as f:
+                        f.write("5")  # VmHWM back to the current RSS
+                before = _rss("VmRSS")
+                times[side].append(nitro_epoch(n))
+                growth[side].append(_rss("VmHWM") - before)
+    finally:
+        _loop.train_batches = _pipeline.train_batches
+    ratios = [a[0] / b[0] for a, b in zip(times["bounded"], times["whole_epoch"])]
+    return {
+        "config": dict(cfg, rows=rows, steps_per_epoch=rows // cfg["batch"]),
+        "bounded": summary(times["bounded"], rows // cfg["batch"]),
+        "whole_epoch": summary(times["whole_epoch"], rows // cfg["batch"]),
+        "ratio": statistics.median(ratios),
+        "rss_growth_mib": {k: statistics.median(v) / 2**20 for k, v in growth.items()},
+    }
+
+
 # ---------------------------------------------------------------------------------------------- report
 def rows(res) -> list:
     """The targets (1, 2), each judged on its paired-median ratio: lower is faster, `<=` passes."""
@@ -316,6 +402,8 @@ def rows(res) -> list:
         out.append(H.at_most(label, r["ratio"], TARGETS[name]))
     out.append(H.at_most("steady-state epoch, 1x32 MLP, batch 64, progress on", res["issue"]["ratio"],
                          TARGETS["issue_epoch"]))
+    out.append(H.at_most(f"steady-state epoch, {res['host']['config']['mib']} MiB host split vs whole-epoch gather",
+                         res["host"]["ratio"], TARGETS["host_split_epoch"]))
     if res["edit"]["ratio_helper"] is not None:
         out.append(H.Row("live-edit cycle, helper-only edits (context)", f"{res['edit']['ratio_helper']:.2f}x"))
     return out
@@ -376,6 +464,13 @@ def report(res):
         log(f"   {label:<16}{r['overhead_us_per_step']:+9.1f} us {r['overhead_us_per_step_best']:+9.1f} us"
             f" {r['overhead_cpu_us_per_step']:+9.1f} us")
     log()
+    h = res["host"]
+    log(f"5. host split of {h['config']['mib']} MiB ({h['config']['rows']} rows, {h['config']['steps_per_epoch']} "
+        f"steps): bounded pipeline vs whole-epoch gather")
+    log(f"   epoch median {h['bounded']['epoch_s_median']:.3f} s vs {h['whole_epoch']['epoch_s_median']:.3f} s: "
+        f"ratio {h['ratio']:.2f}x (target <= {TARGETS['host_split_epoch']:.2f}x); peak RSS growth per epoch "
+        f"{h['rss_growth_mib']['bounded']:.0f} MiB vs {h['rss_growth_mib']['whole_epoch']:.0f} MiB")
+    log()
     log(f"total wall time {res['wall_s']:.1f} s")
 
 
@@ -396,6 +491,10 @@ def main(argv=None) -> int:
     nitro_ipy.cache_reset()
     log("1 hidden layer of 32, 32 inputs, batch 64, progress on: steady state ...")
     res["issue"] = steady_state(cells, "IssueMLP", cfg["issue"])
+
+    nitro_ipy.cache_reset()
+    log(f"host split of {cfg['host']['mib']} MiB: bounded pipeline vs whole-epoch gather ...")
+    res["host"] = host_split(cfg["host"])
 
     nitro_ipy.cache_reset()
     log(f"{deep_label}: steady state ...")

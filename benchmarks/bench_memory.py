@@ -10,6 +10,13 @@ JAX. Resident memory (`/proc/self/statm`) is read after the warm-up cells and at
 Target: the nitro_ipy session's RSS growth <= 1.10x the plain session's (+10%); each poisoned program's
 executable is released once no handle holds it, so edits do not accumulate dead programs.
 
+Then the memory training needs (issue 33), each in a fresh interpreter, a linear model so the data
+dominates, programs compiled beforehand: the peak RSS growth (VmHWM, reset before `train()`) of two
+epochs of a host split (1 GiB; quick: 256 MiB), the anonymous memory growth of an epoch of a sparse
+memory-mapped `.npy` (4 GiB; quick: 1 GiB: its pages are the page cache's, reclaimable), and the growth
+of two epochs of a loader (a generator function making the same batches on the fly). Target: each
+<= 25% of the split's size (the whole-epoch gather this replaced took +200%).
+
 Usage:
     python3 benchmarks/bench_memory.py            # 300 cells, 50 edits (~2 min on 2 cores)
     python3 benchmarks/bench_memory.py --quick    # 30 cells, 5 edits (CI smoke run)
@@ -20,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,8 +35,71 @@ import _harness as H  # noqa: E402
 from _harness import log  # noqa: E402
 
 TARGET = 1.10
-FULL = dict(cells=300, edits=50, warmup=30)
-QUICK = dict(cells=30, edits=5, warmup=8)
+FULL = dict(cells=300, edits=50, warmup=30, data_mib=1024, mmap_mib=4096)
+QUICK = dict(cells=30, edits=5, warmup=8, data_mib=256, mmap_mib=1024)
+DATA_TARGET = 0.25
+
+DATA_CHILD = """
+import dataclasses, json, os, sys
+import jax.numpy as jnp, numpy as np
+from nitro_ipy import Nitro
+
+def status():
+    out = {}
+    for line in open("/proc/self/status"):
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+@dataclasses.dataclass
+class Lin:
+    def init(self, rng):
+        return {"w": jnp.zeros((WIDTH,))}
+    def forward(self, params, *, x):
+        return x @ params["w"]
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+
+KIND, MIB, PATH = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+WIDTH, BATCH = 1024, 1024
+ROWS = (MIB << 20) // (WIDTH * 4)
+y = np.zeros(ROWS, np.float32)
+warm = Nitro(Lin(), data={"train": {"x": np.ones((BATCH, WIDTH), np.float32), "y": y[:BATCH]}},
+             batch_size=BATCH, progress=False)
+warm.train(1)
+if KIND == "host":
+    split, epochs = {"x": np.ones((ROWS, WIDTH), np.float32), "y": y}, 2
+elif KIND == "mmap":
+    np.lib.format.open_memmap(PATH, mode="w+", dtype=np.float32, shape=(ROWS, WIDTH)).flush()
+    split, epochs = {"x": np.load(PATH, mmap_mode="r"), "y": y}, 1
+else:
+    def split():
+        for i in range(ROWS // BATCH):
+            yield {"x": np.full((BATCH, WIDTH), i % 7, np.float32), "y": y[:BATCH]}
+    epochs = 2
+n = Nitro(Lin(), data={"train": split}, batch_size=BATCH, progress=False)
+before = status()
+open("/proc/self/clear_refs", "w").write("5")
+n.train(epochs)
+after = status()
+if KIND == "mmap":
+    os.remove(PATH)
+print(json.dumps({"before": before, "after": after, "steps": n.step}))
+"""
+
+
+def data_side(kind: str, mib: int) -> dict:
+    path = os.path.join(tempfile.mkdtemp(prefix="bench_memory_"), "x.npy")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "NITRO_IPY_AHEAD": "0"}
+    out = subprocess.run([sys.executable, "-c", DATA_CHILD, kind, str(mib), path], env=env, capture_output=True,
+                         text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"the {kind} data run failed:\n{out.stderr[-4000:]}")
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if kind == "mmap":
+        return {**got, "growth_mib": (got["after"]["RssAnon"] - got["before"]["RssAnon"]) / (1 << 20)}
+    return {**got, "growth_mib": (got["after"]["VmHWM"] - got["before"]["VmRSS"]) / (1 << 20)}
 
 COMMON = """
 import jax, jax.numpy as jnp, numpy as np, optax
@@ -183,7 +254,15 @@ def main() -> int:
         H.Row("poisoned programs still holding an executable", str(nitro["held_poisoned"]), "0",
               nitro["held_poisoned"] == 0),
     ]
-    res = {"config": cfg, "plain": plain, "nitro": nitro, "growth_ratio": ratio}
+    data = {"host": (data_side("host", cfg["data_mib"]), cfg["data_mib"], "host split, 2 epochs: peak RSS growth"),
+            "mmap": (data_side("mmap", cfg["mmap_mib"]), cfg["mmap_mib"], "memory-mapped .npy, 1 epoch: anon growth"),
+            "loader": (data_side("loader", cfg["data_mib"]), cfg["data_mib"], "loader, 2 epochs: peak RSS growth")}
+    for kind, (got, mib, label) in data.items():
+        share = got["growth_mib"] / mib
+        rows.append(H.Row(f"{label} ({mib} MiB)", f"{got['growth_mib']:.0f} MiB ({share:.0%})",
+                          f"<= {DATA_TARGET:.0%}", share <= DATA_TARGET))
+    res = {"config": cfg, "plain": plain, "nitro": nitro, "growth_ratio": ratio,
+           "data": {k: {"mib": mib, **got} for k, (got, mib, _) in data.items()}}
     return H.finish(res, rows)
 
 

@@ -295,7 +295,7 @@ class NotebookFront:
         p = self.progress
         body = _html.lines_html(self.lines)
         if p is not None and p.status == "running":
-            frac = (p.epoch - 1 + p.done / p.steps) / max(p.epochs, 1)
+            frac = (p.epoch - 1 + (p.done / p.steps if p.steps else 0)) / max(p.epochs, 1)
             accent = "var(--jp-brand-color1, #1976d2)"
             bar = (f"<div style='height: 4px; background: rgba(128,128,128,0.25); border-radius: 2px; "
                    f"margin-top: 4px'><div style='height: 4px; width: {100 * frac:.1f}%; background: {accent}; "
@@ -579,7 +579,7 @@ class Panel:
         if p is None:
             return None
         return _html.LossChart(p.train_points, p.valid_points, p.first_epoch + p.epochs,
-                               start=p.train_points[0][0] - 1 / p.steps if p.train_points else p.first_epoch)
+                               start=p.train_points[0][0] - 1 / (p.steps or 1) if p.train_points else p.first_epoch)
 
     def outputs(self) -> tuple:
         """The panel's two outputs now: (figures + chart, latest compile)."""

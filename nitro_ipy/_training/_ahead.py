@@ -407,7 +407,7 @@ def prefetch_eval(handle) -> bool:
     while its first epoch trains; validation then finds it compiled or waits for the one in flight."""
     b = handle._binding
     split = b.splits.get("valid")
-    if not _enabled or split is None or _across_processes(handle):
+    if not _enabled or not isinstance(split, dict) or _across_processes(handle):  # a loader: compiled at use
         return False
     inputs = b.routes["forward"].pick(split)
     targets = b.routes["loss"].pick(split) if b.loss is not None else ()

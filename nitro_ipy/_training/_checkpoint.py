@@ -37,6 +37,7 @@ from .._base._errors import NitroValueError
 from .._base._fingerprint import Unfingerprintable, fingerprint
 from .._base._report import Kind
 from .._base._sharding import is_main_process, wait_for_all
+from .._experiment._data import Loader, split_len
 from .._experiment._fields import short_repr
 from ._loop import Cursor
 
@@ -124,11 +125,47 @@ def manifest(n) -> dict:
         "epoch": int(n.epoch),
         "seed": int(n.seed),
         # An epoch cut short: its steps taken and their loss sum and count (a resume goes on there).
-        "cursor": [int(n._cursor[0]), float(n._cursor[1]), int(n._cursor[2])],
+        "cursor": [int(n._cursor.taken), float(n._cursor.total), int(n._cursor.count)],
         "batch_size": n.batch_size,
         "accum": n.accum,
+        "data": data_position(n),
         "history": _jsonable(n.history),
     }
+
+
+def data_position(n) -> dict:
+    """Where the train split's epoch stands and how a resume finds it again: an array split's epoch is
+    its seeded shuffle (exact); a loader's is replayed, its batches taken before the cut read and dropped
+    (exact only when it yields the same batches on every pass)."""
+    split = n._binding.splits.get("train")
+    if split is None:
+        return {}
+    taken = int(n._cursor.taken)
+    if isinstance(split, Loader):
+        return {"split": "train", "kind": "loader", "source": type(split.source).__qualname__,
+                "steps_into_epoch": taken, "batches_taken": taken * n.accum, "exact": False,
+                "resume": "replays the loader's pass and drops the batches taken; the same batches only "
+                          "when it yields them in the same order every pass"}
+    return {"split": "train", "kind": "arrays", "examples": split_len(split), "steps_into_epoch": taken,
+            "exact": True, "resume": "the epoch's seeded shuffle, from the step after the last taken"}
+
+
+def resume_data_notes(info: dict, n) -> list:
+    """A note when a checkpoint cut mid-epoch resumes on a loader (which cannot be resumed exactly), or
+    on another kind of train split than it was saved with."""
+    saved = info.get("data") or {}
+    split = n._binding.splits.get("train")
+    if not saved or split is None:
+        return []
+    kind = "loader" if isinstance(split, Loader) else "arrays"
+    notes = []
+    if saved.get("kind") != kind:
+        notes.append(f"train split: {saved.get('kind')} -> {kind}")
+    if kind == "loader" and n._cursor.taken:
+        notes.append(f"train split is a loader: the cut epoch goes on after its first "
+                     f"{n._cursor.taken * n.accum} batches, read again and dropped; the same batches as the "
+                     f"uninterrupted run only if the loader yields the same order every pass")
+    return notes
 
 
 def _jsonable(x):
@@ -426,6 +463,7 @@ def restore(n, path) -> None:
     n.step, n.epoch, n.seed = info["step"], info["epoch"], info["seed"]
     pos, total, count = info.get("cursor", (0, 0.0, 0))
     n._cursor = Cursor(int(pos), float(total), int(count))
+    notes.extend(resume_data_notes(info, n))
     n.history.clear()  # the handle's own history object (a list of rows), refilled
     n.history.extend(info.get("history", []))
     _report.emit(Kind.RESUMED, path=str(path), step=n.step, epoch=n.epoch, notes=tuple(notes))

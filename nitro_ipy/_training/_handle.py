@@ -31,7 +31,13 @@ from .._experiment._checks import (
     check_on_nonfinite,
     check_positive_int,
 )
-from .._experiment._data import check_splits, eval_batches, split_len, steps_per_epoch
+from .._experiment._data import (
+    Loader,
+    check_splits,
+    eval_batches,
+    split_len,
+    steps_per_epoch,
+)
 from .._experiment._model import (
     ParamSplit,
     check_given,
@@ -48,6 +54,7 @@ from .._experiment._optimizer import (
 )
 from . import _ahead, _checkpoint, _loop, _progress, _runs
 from ._loop import EPOCH_START, StepState
+from ._pipeline import carry_resident, check_data_on_device, train_split
 from ._programs import EVAL, METRIC, PREDICT, make_predict, program_key
 from ._staleness import model_for, stale
 
@@ -63,7 +70,11 @@ class Nitro:
     **Arguments:**
     - `e`: the experiment, a dataclass with `GraphConst` / `Device` / `Host` fields and hook methods.
     - `data`: `{"train": split, "valid": split, "test": split}`, each split a dict of arrays with a common
-      leading axis; default: the experiment's `data(self)` hook.
+      leading axis (numpy, JAX, memory-mapped), or a re-iterable of batch dicts (a generator function,
+      a `DataLoader`-like object); default: the experiment's `data(self)` hook. See docs/experiments.md.
+    - `data_on_device`: `"auto"` (default) places the train split on an accelerator once, when it takes at
+      most a quarter of its free memory, and takes each step's batch there; on the CPU it stays on the
+      host (placing it would copy it). True always places it (on the CPU: one copy), False never.
     - `batch_size`, `max_epochs` (epochs per `train()` call), `accum` (micro-batches per optimizer step).
     - `schedules`: `{device_field: fn(step) -> value}`, applied before every step.
     - `seed`: seeds `init` and the per-epoch shuffle.
@@ -120,12 +131,14 @@ class Nitro:
         on_nonfinite: str = "raise",
         stop_when: tuple | None = None,
         steps_per_execution: int = 1,
+        data_on_device="auto",
     ):
         options = dict(
             data=data, batch_size=batch_size, max_epochs=max_epochs, accum=accum,
             schedules=schedules, seed=seed, progress=progress, flat_params=flat_params,
             mesh=mesh, data_axis=data_axis, param_sharding=param_sharding,
             on_nonfinite=on_nonfinite, stop_when=stop_when, steps_per_execution=steps_per_execution,
+            data_on_device=check_data_on_device(data_on_device),
         )
         # Checkpointing is checked before setup: a bad setting fails fast, before `init` runs.
         checkpoints = (None if checkpoint_every is None
@@ -221,6 +234,7 @@ class Nitro:
         # Where an epoch an interrupt cut short stopped (`_loop.Cursor`: its steps taken, their loss sum
         # and count); the next train() goes on from there. `EPOCH_START` at an epoch boundary.
         self._cursor = EPOCH_START
+        self._resident: dict = {}  # split name -> `_pipeline.Resident`: placed at its first train(), kept
         self._programs: dict = {}  # key -> Entry: what this handle runs (kept even if poisoned)
         self._curve: list = []  # (epoch position, train loss) at sync points: the chart of the panel and `plot()`
         self._kinds_seen: dict = {}  # kind -> key of the first program of that kind
@@ -292,6 +306,7 @@ class Nitro:
         new._curve = list(self._curve)  # the loss chart goes on where it was
         new._cursor = self._cursor  # and a cut epoch where it stopped
         _ahead.rebuilt(self, new)  # this handle is superseded: compile ahead serves the new one
+        carry_resident(self, new)  # and a split placed on the device stays there, once
         return new
 
     def _optimizer_may_differ(self, new: "Nitro") -> bool:
@@ -390,13 +405,19 @@ class Nitro:
         self._enter("train")
         b = self._binding
         b.need_loss("training")
-        split = b.split("train")
-        steps = steps_per_epoch(split, self.batch_size, self.accum)
+        given = b.split("train")
+        steps = steps_per_epoch(given, self.batch_size, self.accum)  # None: a loader not counted yet
+        if steps == 0 and isinstance(given, Loader):
+            raise NitroValueError(
+                f"the train split is a loader of {given.length} batches, fewer than one step "
+                f"(accum={self.accum}); lower `accum`."
+            )
         if steps == 0:
             raise NitroValueError(
-                f"the train split has {split_len(split)} examples, fewer than one step "
+                f"the train split has {split_len(given)} examples, fewer than one step "
                 f"(batch_size={self.batch_size} x accum={self.accum}); lower `batch_size`."
             )
+        split = train_split(self)  # the device-resident copy (placed once per handle), or the split
         fields = sorted(set(b.routes["forward"].pick(split)) | set(b.routes["loss"].pick(split)))
         epochs = self.max_epochs if epochs is None else epochs
         control = _runs.RunControl(self, steps, quiet=background)
@@ -489,8 +510,9 @@ class Nitro:
     def _evaluate(self, split_name: str) -> dict:
         b = self._binding
         split = b.split(split_name)
-        n = split_len(split)
-        check_not_empty(split_name, n, "evaluating it")
+        n = split_len(split)  # None for a loader: its batches' real rows are counted as they come
+        if n is not None:
+            check_not_empty(split_name, n, "evaluating it")
         inputs = b.routes["forward"].pick(split)
         targets = b.routes["loss"].pick(split) if b.loss is not None else ()
         metric_fields = {name: b.routes[name].pick(split) for name in b.metrics}
@@ -499,7 +521,9 @@ class Nitro:
         place = self._place
         loss_sums, sums = [], {}
         entry = None
+        rows = 0
         for batch, n_valid in eval_batches(split, fields, self.batch_size):
+            rows += n_valid
             x = place.batch({k: batch[k] for k in inputs})
             t = place.batch({k: batch[k] for k in targets})
             args = (self._params, self._model_state, self._dev, x, t, place.replicate(np.int32(n_valid)))
@@ -524,7 +548,7 @@ class Nitro:
                 _accumulate(sums, name, result)
         out = {}
         if b.loss is not None:
-            out["loss"] = float(np.sum(np.asarray(place.host(loss_sums), np.float64)) / n)
+            out["loss"] = float(np.sum(np.asarray(place.host(loss_sums), np.float64)) / rows)
         for name, (s, c) in sums.items():
             s, c = place.host(s), place.host(c)
             if c is not None:

@@ -34,7 +34,7 @@ from .._base._errors import NonFiniteLossError
 from .._compiler import _cache
 from .._experiment._carry import copy_arrays
 from . import _guard
-from ._pipeline import train_batches
+from ._pipeline import run_ahead, train_batches
 from ._programs import GRAD, OPT, STEPS
 
 _SYNC_SECONDS = 0.25  # how often losses are checked, reuse counted and the live panel told
@@ -179,7 +179,8 @@ def train_epoch(s: StepState, resolve, split: dict, fields, steps: int, gate: In
     place = s.place  # on a mesh, each batch is split along the data axis as it is drawn
     # An epoch an interrupt cut short goes on at its next batch, with the losses it had: an interrupted
     # (or checkpointed mid-epoch and resumed) run takes the uninterrupted run's steps, in its order.
-    start, total, n_loss = s.cursor = s.cursor if s.cursor.taken <= steps else EPOCH_START
+    fresh = steps is None or s.cursor.taken <= steps  # `steps` is None for a loader not counted yet
+    start, total, n_loss = s.cursor = s.cursor if fresh else EPOCH_START
     if start == steps:  # every step was taken, the epoch not counted yet (Ctrl-C after its last step)
         return mean_loss(total, n_loss), 0  # the caller counts it and resets the cursor
     batches = place.batches(train_batches(split, fields, s.batch_size, s.accum, (s.seed, s.epoch), start),
@@ -203,7 +204,10 @@ def train_epoch(s: StepState, resolve, split: dict, fields, steps: int, gate: In
         with gate.installed():
             # First step: resolve both programs (maybe compiling); they stay fixed for the epoch when
             # the optimizer hands back parameters and state of the avals it was compiled for.
-            batch = next(batches)
+            batch = next(batches, None)
+            if batch is None:  # a loader's pass ended where the cut epoch stood: every step was taken
+                settled = True
+                return mean_loss(total, n_loss), 0
             if schedules:  # checked: type, dtype, shape, finite; then replicated on a mesh
                 place.schedules(binding.first_schedules)(dev, s.step)
             grad, opt, _ = keyed_step(s, resolve, batch, gate)
@@ -216,8 +220,8 @@ def train_epoch(s: StepState, resolve, split: dict, fields, steps: int, gate: In
             perf_counter = time.perf_counter
             next_sync = perf_counter() + _SYNC_SECONDS
             per = s.per_execution
-            left = steps - start - 1
-            if per > 1 and stable and left >= per:  # K steps a call, then the remainder step by step
+            left = None if steps is None else steps - start - 1  # a loader's pass: step by step
+            if per > 1 and stable and left is not None and left >= per:  # K steps a call, then the remainder step by step
                 multi = None
                 while left >= per:
                     if gate.pending:
@@ -239,7 +243,10 @@ def train_epoch(s: StepState, resolve, split: dict, fields, steps: int, gate: In
                         seen, guard = sync(s, seen, bar, step0, split, fields, resolve, reused)
                         next_sync = perf_counter() + _SYNC_SECONDS
             grad_call, opt_call, grad_args, opt_args = grad.call, opt.call, GRAD_ARGS, OPT_ARGS
-            ahead = place.ahead  # 0, or how many steps this loop may run ahead of a CPU mesh (`_sharding.pace`)
+            # How many steps this loop may run ahead of the device: a CPU mesh's own bound (`_sharding.pace`),
+            # else the pipeline's: each queued step holds its batch, so an unbounded lead grows memory by a
+            # batch a step whenever the host outruns the device (`_pipeline.run_ahead`).
+            ahead = place.ahead or run_ahead(batch)
             recent = collections.deque(maxlen=ahead + 1)  # the last steps' losses, kept only to pace by
             for batch in batches:
                 if gate.pending:
@@ -278,7 +285,7 @@ def train_epoch(s: StepState, resolve, split: dict, fields, steps: int, gate: In
             s.cursor = Cursor(start + s.step - step0, total, n_loss)
     # Every step taken: the cursor stays at the epoch's end until the caller counts the epoch, so a
     # Ctrl-C landing in between leaves an epoch the next call counts, never one it replays.
-    s.cursor = Cursor(steps, total + seen[0], n_loss + seen[1])
+    s.cursor = Cursor(start + s.step - step0, total + seen[0], n_loss + seen[1])
     return mean_loss(total + seen[0], n_loss + seen[1]), _guard.bad_steps(guard)
 
 

@@ -97,7 +97,7 @@ class Progress:
         self._last = (step, now)
         self.done = step - self._start_step
         self.loss = float(loss)
-        x = self.first_epoch + self.epoch - 1 + self.done / self.steps
+        x = self.first_epoch + self.epoch - 1 + (self.done / self.steps if self.steps else 0.5)
         self.train_points.append((x, self.loss))
         self.front.update(self)
 
@@ -111,11 +111,12 @@ class Progress:
     def close(self, error: BaseException | None = None) -> None:
         """The call ended: normally, or with `error` (an interrupt, a non-finite loss, ...)."""
         if self.epoch and self.n is not None:
-            self.done = min(self.n.step - self._start_step, self.steps)  # steps stored, synced or not
+            self.done = self.n.step - self._start_step  # steps stored, synced or not
+            self.done = self.done if self.steps is None else min(self.done, self.steps)
         if error is None:
             self.status = "done"
         elif isinstance(error, KeyboardInterrupt):
-            self.status = (f"training interrupted at epoch {self.epoch}, step {self.done}/{self.steps}; "
+            self.status = (f"training interrupted at epoch {self.epoch}, step {self.done}/{total(self.steps)}; "
                            f"the handle is usable")
         else:
             self.status = f"training stopped at epoch {self.epoch}: {type(error).__name__}: {error}"
@@ -124,7 +125,7 @@ class Progress:
     # -- what front ends show
     def line(self) -> str:
         """The running line: `epoch 2/3 | step 7/10 | loss 0.2134 | 812 steps/s`."""
-        parts = [f"epoch {self.epoch}/{self.epochs}", f"step {self.done}/{self.steps}"]
+        parts = [f"epoch {self.epoch}/{self.epochs}", f"step {self.done}/{total(self.steps)}"]
         if self.loss == self.loss:
             parts.append(f"loss {self.loss:.4g}")
         if self.rate:
@@ -169,3 +170,8 @@ def start(n, epochs: int, steps: int, quiet: bool = False) -> Progress | None:
     front = QuietFront() if quiet else (make() if make is not None else None)
     _latest = Progress(n, epochs, steps, front if front is not None else TextFront())
     return _latest
+
+
+def total(steps) -> str:
+    """An epoch's step count as shown: "?" for a loader without a length, before a pass has counted it."""
+    return "?" if steps is None else str(steps)

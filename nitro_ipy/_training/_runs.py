@@ -73,13 +73,13 @@ class RunControl(InterruptGate):
         self.stop_reason = None
         self.steps = steps  # optimizer steps per epoch
         self.epoch = handle.epoch + 1  # the epoch being trained (1-based)
-        self.epoch_start = handle.step - handle._cursor[0]  # `n.step` when it began (maybe in an earlier call)
+        self.epoch_start = handle.step - handle._cursor.taken  # `n.step` when it began (maybe in an earlier call)
         self.validating = False
         self.rows = []  # this call's completed epoch rows
 
     def begin_epoch(self):
         n = self.handle
-        self.epoch, self.epoch_start, self.validating = n.epoch + 1, n.step - n._cursor[0], False
+        self.epoch, self.epoch_start, self.validating = n.epoch + 1, n.step - n._cursor.taken, False
 
     def request_stop(self, reason: str):
         self.stop_reason = reason
@@ -92,7 +92,7 @@ class RunControl(InterruptGate):
         """`epoch 4, step 204/427`, or `epoch 4, validating` once its steps are done."""
         if self.validating or self.handle.epoch >= self.epoch:  # its steps done and the epoch counted
             return f"epoch {self.epoch}, validating"
-        return f"epoch {self.epoch}, step {self.handle.step - self.epoch_start}/{self.steps}"
+        return f"epoch {self.epoch}, step {self.handle.step - self.epoch_start}/{'?' if self.steps is None else self.steps}"
 
 
 def foreground(control: RunControl, work):
