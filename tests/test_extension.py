@@ -6,6 +6,7 @@ the file watcher in test_watch.py.
 
 import gc
 import importlib
+import re
 import subprocess
 import sys
 import threading
@@ -18,7 +19,7 @@ import nitro_ipy
 from _cells import TINY_EXPERIMENT
 from nitro_ipy._compiler import _cache
 from nitro_ipy._notebook import _extension, _magics
-from nitro_ipy._base import _report, _world
+from nitro_ipy._base import _html, _report, _world
 
 EXPERIMENT = TINY_EXPERIMENT + "n = Nitro(Tiny(), data=data, batch_size=16, progress=False)\n"
 EDIT = "def helper(r):\n    return abs(r)\n"
@@ -247,7 +248,7 @@ def test_reset_magics(trained, capsys, line):
 
 
 def test_unknown_options_are_usage_errors_listing_the_valid_ones(loaded):
-    with pytest.raises(UsageError, match=r"^`%nitro_stats`: unrecognized arguments: --bogus. Valid options: --reset.$"):
+    with pytest.raises(UsageError, match=r"^`%nitro_stats`: unrecognized arguments: --bogus. Valid options: --reset, --why.$"):
         loaded.run_line_magic("nitro_stats", "--bogus")
     with pytest.raises(UsageError, match=r"^`%nitro_reset`: unrecognized arguments: now. Valid options: --disk.$"):
         loaded.run_line_magic("nitro_reset", "now")
@@ -340,10 +341,12 @@ def test_rebuild_button_rebinds_every_name_and_ends_as_html(trained, monkeypatch
     assert update.data["text/plain"] == "rebuilt: n, n_alias -> new handle"
     assert set(update.data) == {"text/plain", "text/html"} and "jp-success-color1" in update.data["text/html"]
     assert button.state == "done" and button.widget.comm is None  # closed
-    capsys.readouterr()
-    _run(trained, "records = n.train()")
-    # The rebuilt handle compiles what the edit changed, and says nothing about staleness.
-    assert [line.split()[2] for line in capsys.readouterr().out.splitlines()] == ["grad", "eval"]
+    outputs = _captured(_run, trained, "records = n.train()")
+    # The rebuilt handle compiles what the edit changed, and says nothing about staleness: its lines
+    # share the cell's one output.
+    assert {o.transient["display_id"] for o in outputs} == {sink.block.handle.display_id}
+    lines = outputs[-1].data["text/plain"].splitlines()
+    assert [line.split()[2] for line in lines if " compiled " in line] == ["grad", "eval"]
     assert [e.kind for e in _cache.live_entries()] == ["opt", "grad", "eval"]
 
 
@@ -397,51 +400,87 @@ def test_unclicked_buttons_end_as_html_once_the_user_moves_on(trained, monkeypat
     assert _captured(lambda: sink.retire(moved_on=True)) == []  # nothing left to retire
 
 
-def test_other_message_kinds(monkeypatch):
+def test_a_cells_messages_share_one_output_each_in_its_kinds_look(monkeypatch):
     from nitro_ipy._notebook._widgets import RichSink
 
     previous = []
     ip = InteractiveShell.instance()
     sink = RichSink(ip, previous.append)
-    titles = {"disk-edit": "Edited on disk, not loaded yet", "recompile-loop": "Recompile loop in the "}
-    for kind, data in (("disk-edit", {"names": ("m.f",)}), ("recompile-loop", {"program": "grad", "why": "x"})):
-        (out,) = _captured(sink, _report.Message(kind, f"nitro_ipy: a {kind} line with `code`", data))
-        assert out.data["text/plain"] == f"nitro_ipy: a {kind} line with `code`"
-        assert "jp-warn-color1" in out.data["text/html"] and titles[kind] in out.data["text/html"]
-        assert f"A {kind} line with <code" in out.data["text/html"]
-    assert _captured(sink, _report.Message("compile", "nitro_ipy: compiled grad", {})) == []
-    sink(_report.Message("epoch", "nitro_ipy: epoch 1", {}))
-    assert [m.kind for m in previous] == ["compile", "epoch"]  # no progress display open: plain text lines
-    assert sink.buttons == []
+    said = [
+        _report.Message("compile", "nitro_ipy: compiled grad [forward, loss] in 0.20 s", {}),
+        _report.Message("disk-edit", "nitro_ipy: a disk-edit line with `code`", {"names": ("m.f",)}),
+        _report.Message("epoch", "nitro_ipy: epoch 1 | loss 0.5", {}),
+        _report.Message("compile", "nitro_ipy: compiled eval [forward, loss] in 0.10 s", {}),
+        _report.Message("recompile-loop", "nitro_ipy: a recompile-loop line", {"program": "grad", "why": "x"}),
+    ]
+    outputs = [_captured(sink, msg) for msg in said]
+    assert [len(o) for o in outputs] == [1, 1, 1, 1, 1]
+    first, *later = [o[0] for o in outputs]
+    assert not first.update and all(o.update for o in later)  # one output, updated in place
+    assert {o.transient["display_id"] for o in later} == {first.transient["display_id"]}
+    final = later[-1].data
+    assert final["text/plain"] == "\n".join(m.text for m in said)  # what a terminal prints, in order
+    html = final["text/html"]
+    # Lines in muted monospace blocks (consecutive ones together), boxes between, in the order said.
+    marks = re.findall(r"class='(nitro-lines|nitro-line nitro-\w+|nitro-box nitro-\w+ nitro-message nitro-[\w-]+)", html)
+    assert marks == ["nitro-lines", "nitro-line nitro-compile", "nitro-box nitro-warning nitro-message nitro-disk-edit",
+                     "nitro-lines", "nitro-line nitro-epoch", "nitro-line nitro-compile",
+                     "nitro-box nitro-warning nitro-message nitro-recompile-loop"]
+    assert ">Edited on disk, not loaded yet</div>" in html and "A disk-edit line with <code" in html
+    assert ">Recompile loop in the <code" in html
+    # Every line of one kind is drawn alike: the same markup as the reporter's own for that message.
+    assert _html.message_html(said[0]).split("<div class='nitro-line")[1] in html
+    assert previous == [] and sink.buttons == []
+    ip.execution_count += 1  # the next cell starts an output of its own
+    try:
+        (nxt,) = _captured(sink, said[2])
+    finally:
+        ip.execution_count -= 1
+    assert not nxt.update and nxt.data["text/plain"] == said[2].text
 
 
-def test_messages_off_the_main_thread_stay_text():
+def test_messages_off_the_main_thread_are_drawn_by_the_main_thread_alike():
     from nitro_ipy._notebook._widgets import RichSink
 
     previous = []
     sink = RichSink(InteractiveShell.instance(), previous.append)
-    t = threading.Thread(target=sink, args=(_report.Message("stale-cache", "x", {"count": 1}),))
-    t.start()
-    t.join()
-    assert [m.text for m in previous] == ["x"]
+    ahead = _report.Message("compile", "nitro_ipy: compiled eval [forward, loss] in 0.10 s (compiled ahead)", {})
+    stale = _report.Message("stale-cache", "nitro_ipy: 1 cached program (grad) poisoned; redefined: m.f.",
+                            {"count": 1, "names": ("m.f",), "kinds": ("grad",)})
+    threads = [threading.Thread(target=sink, args=(m,)) for m in (ahead, stale)]
+    drawn = _captured(lambda: [(t.start(), t.join()) for t in threads])
+    assert drawn == [] and previous == [] and sink.pending == [ahead, stale]  # nothing printed, nothing shown
+    epoch = _report.Message("epoch", "nitro_ipy: epoch 1 | loss 0.5", {})
+    outputs = _captured(sink, epoch)  # the main thread draws the queued ones first, in order
+    assert sink.pending == []
+    assert outputs[-1].data["text/plain"] == "\n".join(m.text for m in (ahead, stale, epoch))
+    # Drawn exactly as the same messages said on the main thread.
+    main = RichSink(InteractiveShell.instance(), previous.append)
+    alike = [_captured(main, m) for m in (ahead, stale, epoch)][-1]
+    assert alike[-1].data == outputs[-1].data
 
 
 def test_progress_display_one_per_train_call(trained, monkeypatch):
     sink = _sinked(monkeypatch, trained)
     _run(trained, "p = Nitro(Tiny(hidden=6), data=data, batch_size=2)")  # 24 steps an epoch
+    misses = nitro_ipy.cache_stats().misses
     outputs = _captured(_run, trained, "p.train(3)")
     front = sink.front
     first, *updates = outputs
     assert not first.update and all(u.update for u in updates)
     assert {u.transient["display_id"] for u in updates} == {first.transient["display_id"]}
-    assert first.data["text/plain"].startswith("nitro_ipy: epoch 1/3 | step 1/24")
+    # The display opens with the first step's compile lines, in the same look as every later line.
+    assert first.data["text/plain"].startswith("nitro_ipy: compiled grad [forward, loss]")
+    assert any(u.data["text/plain"].splitlines()[-1].startswith("nitro_ipy: epoch 1/3 | step ") for u in updates)
     # Updated at the epoch ends, at most every 0.25 s between, and once at the end: never per step.
-    assert len(updates) == front.updates and 3 <= front.updates < 72
+    assert len(updates) == front.updates and 3 <= front.updates < 80
     final = updates[-1].data["text/plain"].splitlines()
-    assert [line.split()[1] for line in final] == ["compiled", "epoch", "epoch", "epoch"]
-    assert final[0].startswith("nitro_ipy: compiled eval [forward, loss]")
+    compiled = nitro_ipy.cache_stats().misses - misses
+    assert [line.split()[1] for line in final] == ["compiled"] * compiled + ["epoch"] * 3
+    assert final[compiled - 1].startswith("nitro_ipy: compiled eval [forward, loss]")
+    assert updates[-1].data["text/html"].count("class='nitro-line nitro-compile'") == compiled
     assert [r["epoch"] for r in trained.user_ns["p"].history] == [1, 2, 3]
-    assert final[3] == _report.message("epoch", record=trained.user_ns["p"].history[-1]).text
+    assert final[-1] == _report.message("epoch", record=trained.user_ns["p"].history[-1]).text
     assert "nitro-progress-running" not in updates[-1].data["text/html"]
 
 
@@ -478,7 +517,7 @@ def test_plot_is_the_panels_chart_of_the_history(trained):
     assert chart.train == [(1, n.history[0]["loss"]), (2, n.history[1]["loss"]), (3, n.history[2]["loss"])]
     assert chart.valid == [(float(r["epoch"]), r["valid_loss"]) for r in n.history]
     bundle = chart._repr_mimebundle_()
-    assert bundle["text/html"].count("r='3'") == 3 and "<polyline" in bundle["text/html"]
+    assert bundle["text/html"].count("nitro-valid-point") == 3 and "<polyline class='nitro-train'" in bundle["text/html"]
     assert bundle["text/plain"] == (f"nitro_ipy loss chart: train loss {n.history[0]['loss']:.4g} → "
                                     f"{n.history[-1]['loss']:.4g} (3 points), valid loss "
                                     f"{n.history[-1]['valid_loss']:.4g} at epoch 3")
@@ -488,7 +527,7 @@ def test_missing_ipywidgets_degrades_to_text_with_one_hint(shell, monkeypatch, c
     _widget_kernel(monkeypatch)
     monkeypatch.setitem(sys.modules, "ipywidgets", None)  # `import ipywidgets` raises ImportError
     monkeypatch.delitem(sys.modules, "nitro_ipy._notebook._widgets", raising=False)
-    monkeypatch.delattr(nitro_ipy, "_widgets", raising=False)
+    monkeypatch.delattr(nitro_ipy._notebook, "_widgets", raising=False)
     monkeypatch.setattr(_magics.NitroMagics, "hinted", False)
     shell.run_line_magic("load_ext", "nitro_ipy")
     shell.run_line_magic("reload_ext", "nitro_ipy")
@@ -557,7 +596,7 @@ def test_panel_draws_the_loss_chart_of_the_running_train(trained, monkeypatch):
         assert chart.valid == [(1.0, p.history[0]["valid_loss"]), (2.0, p.history[1]["valid_loss"])]
         assert chart.train[-1] == (2.0, pytest.approx(chart.train[-1][1])) and len(chart.train) >= 2
         main, _ = panel.outputs()
-        assert "<svg class='nitro-chart'" in main.html and main.html.count("r='3'") == 2  # the validation dots
+        assert "<svg class='nitro-chart'" in main.html and main.html.count("nitro-valid-point") == 2  # the validation dots
         assert main.text.splitlines()[1] == repr(chart)
     finally:
         panel.detach()
