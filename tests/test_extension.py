@@ -510,6 +510,60 @@ def test_progress_display_says_where_an_interrupt_landed(trained, monkeypatch):
     assert [r["epoch"] for r in p.history] == [1] and p.step == 6
 
 
+def _stop_in_epoch(monkeypatch, epoch: int):
+    """Press Ctrl-C at the first sync point of the handle's epoch `epoch` (1-based)."""
+    from nitro_ipy._training import _loop
+
+    real = _loop.check_losses
+
+    def interrupt(n, *args):
+        if n.epoch + 1 == epoch:
+            raise KeyboardInterrupt
+        return real(n, *args)
+
+    monkeypatch.setattr(_loop, "check_losses", interrupt)
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_a_stop_is_said_once_in_the_handles_epochs(trained, monkeypatch, capsys, progress):
+    _widget_kernel(monkeypatch)
+    trained.run_line_magic("reload_ext", "nitro_ipy")  # the rich sink, which says a stop once
+    _run(trained, f"p = Nitro(Tiny(hidden=6), data=data, batch_size=16, progress={progress}); p.train(2)")
+    _stop_in_epoch(monkeypatch, 4)  # the second epoch of the next call: the handle's fourth
+    capsys.readouterr()
+    results = []
+    outputs = _captured(lambda: results.append(trained.run_cell("p.train(3)")))
+    (result,) = results
+    err = result.error_in_exec
+    p = trained.user_ns["p"]
+    line = "training interrupted at epoch 4, step 3/3; the handle is usable"
+    assert isinstance(err, nitro_ipy.TrainingInterrupted) and str(err) == line  # what a script prints
+    assert (err.epoch, err.step, err.steps, p.epoch, [r["epoch"] for r in err.rows]) == (4, 3, 3, 3, [3])
+    assert not result.success  # the cell still ends in an error: a "Run All" stops there
+    # Said once: the last state of each output, and nothing printed (no traceback under it).
+    finals = {o.transient["display_id"]: o.data for o in outputs}
+    said = [d for d in finals.values() if "training interrupted" in d["text/plain"]]
+    out = capsys.readouterr()
+    assert "training interrupted" not in out.out + out.err
+    assert len(said) == 1 and said[0]["text/plain"].count("training interrupted") == 1
+    assert said[0]["text/plain"].splitlines()[-1] == (f"nitro_ipy: {line}" if progress else line)
+    html = said[0]["text/html"]
+    assert html.count("nitro-message nitro-interrupted") == 1 and "jp-warn-color1" in html
+    if progress:  # in the call's display, where its progress line was; the epoch lines above it agree
+        assert "nitro-progress-stopped" in html and "epoch 3/5" not in html
+        assert [ln for ln in said[0]["text/plain"].splitlines() if " | loss " in ln][-1].startswith("nitro_ipy: epoch 3 |")
+
+
+def test_the_progress_line_counts_the_handles_epochs(trained, monkeypatch):
+    sink = _sinked(monkeypatch, trained)
+    _run(trained, "p = Nitro(Tiny(hidden=6), data=data, batch_size=16); p.train(2)")
+    outputs = _captured(_run, trained, "p.train(2)")
+    lines = [o.data["text/plain"].splitlines()[-1] for o in outputs]
+    running = [ln for ln in lines if " | step " in ln]
+    assert running and {ln.split(" | ")[0] for ln in running} <= {"nitro_ipy: epoch 3/4", "nitro_ipy: epoch 4/4"}
+    assert sink.front.progress.last == 4 == trained.user_ns["p"].epoch
+
+
 def test_plot_is_the_panels_chart_of_the_history(trained):
     n = trained.user_ns["n"]  # trained with progress=False: the curve is per epoch
     _run(trained, "n.train(2)")

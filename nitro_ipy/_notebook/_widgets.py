@@ -318,7 +318,7 @@ class NotebookFront(Block):
             body += _html.box(_html.esc(p.line()) + bar, "info", "nitro-progress-running")
         elif p is not None and p.status not in ("running", "done"):
             stop = p.stop_message or _report.Message(Kind.INTERRUPTED, p.status, {})
-            body += _html.message_html(stop).replace("nitro-message", "nitro-message nitro-progress-stopped", 1)
+            body += _html.message_html(stop).replace(f"nitro-{stop.kind}'", f"nitro-{stop.kind} nitro-progress-stopped'", 1)
         return Rich(f"<div class='nitro-progress nitro-block'>{body}</div>", self.text())
 
 
