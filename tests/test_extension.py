@@ -211,6 +211,23 @@ def test_nitro_stats_after_an_edit_shows_poisoned_and_why(trained, capsys):
     assert "  why grad compiled: recompiling against edited code: __main__.helper" in repr(table).splitlines()
 
 
+def test_nitro_stats_why_lists_every_change_the_lines_sum_up(trained, capsys):
+    _run(trained, "m = Nitro(Tiny(hidden=9), data=data, batch_size=2, progress=False); m.train(1)")
+    out = capsys.readouterr().out
+    grad_line = next(ln for ln in out.splitlines() if ln.startswith("nitro_ipy: compiled grad"))
+    assert grad_line.endswith("(GraphConst `hidden`: 4 -> 9, and 4 argument shapes with it)")
+    grad = [e for e in _cache.live_entries() if e.kind == "grad"][-1]
+    short = repr(trained.run_line_magic("nitro_stats", "")).splitlines()
+    full = repr(trained.run_line_magic("nitro_stats", "--why")).splitlines()
+    assert "  why grad compiled: GraphConst `hidden`: 4 -> 9, and 4 argument shapes with it" in short
+    at = full.index("  why grad compiled: GraphConst `hidden`: 4 -> 9, and 4 argument shapes with it:")
+    assert full[at + 1:at + 6] == [f"    {c}" for c in (*grad.why.causes, *grad.why.follows)]
+    assert len(grad.why.follows) == 4 and all(" shape: " in f for f in grad.why.follows)
+    html = trained.run_line_magic("nitro_stats", "")._repr_html_()
+    assert "all 5 changes</summary>" in html and "<details class='nitro-more'" in html
+    assert "<details open class='nitro-more'" in trained.run_line_magic("nitro_stats", "--why")._repr_html_()
+
+
 def test_nitro_stats_lists_untracked_values(loaded, capsys):
     code = EXPERIMENT.replace(
         "def helper(r):\n    return r ** 2\n",
