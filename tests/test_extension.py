@@ -456,6 +456,22 @@ def test_a_cells_messages_share_one_output_each_in_its_kinds_look(monkeypatch):
     assert not nxt.update and nxt.data["text/plain"] == said[2].text
 
 
+def test_a_line_on_screen_keeps_no_program_or_handle_alive(trained, monkeypatch):
+    import weakref
+
+    sink = _sinked(monkeypatch, trained)
+    before = {id(e) for e in _cache.live_entries()}
+    _captured(_run, trained, "q = Nitro(Tiny(hidden=5), data=data, batch_size=16, progress=False); rows = q.train(1)")
+    mine = [weakref.ref(e) for e in _cache.live_entries() if id(e) not in before]
+    handle = weakref.ref(trained.user_ns["q"])
+    assert len(mine) == 3 and [m.kind for m in sink.block.messages].count("compile") == 3
+    nitro_ipy.cache_reset()
+    _run(trained, "del q")
+    gc.collect()
+    assert handle() is None and all(ref() is None for ref in mine)  # the cell's output still shows their lines
+    assert sink.block.output().text.count("nitro_ipy: compiled ") == 3
+
+
 def test_messages_off_the_main_thread_are_drawn_by_the_main_thread_alike():
     from nitro_ipy._notebook._widgets import RichSink
 

@@ -205,6 +205,14 @@ class RebuildButton(ActionButton):
 
 
 # ------------------------------------------------------------------------------------------------ progress
+def _kept(msg: _report.Message) -> _report.Message:
+    """`msg` as an output keeps it to redraw: its plain facts only. A compile entry or a handle in its
+    data would keep a program (and a poisoned one could then be revived) or a model alive for as long as
+    the notebook shows the line."""
+    plain = {k: v for k, v in msg.data.items() if isinstance(v, (str, int, float, bool, tuple))}
+    return msg._replace(data=plain)
+
+
 class Block:
     """One output of a cell holding the messages said in it, in order, each drawn in its kind's look
     (`_html.messages_html`): quiet lines in one block, boxes between. Shown on its first message,
@@ -221,7 +229,7 @@ class Block:
         return [m.text for m in self.messages]
 
     def add(self, msg: _report.Message) -> None:
-        self.messages.append(msg)
+        self.messages.append(_kept(msg))
         self.draw()
 
     def draw(self) -> None:
@@ -283,7 +291,7 @@ class NotebookFront(Block):
         once the call has ended."""
         if self.progress is None or self.progress.status != "running":
             return False
-        self.messages.append(msg)
+        self.messages.append(_kept(msg))
         if self.handle is None:  # its first step's compile lines: the display opens with them
             self.handle = show(self.output())
             self._last = time.monotonic()
