@@ -25,6 +25,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 THEMES = {"light": "JupyterLab Light", "dark": "JupyterLab Dark"}
 WIDGET_ERROR = "Error displaying widget"
 WIDTH = 800
+NARROW = 480  # about a side panel's width (the notebook area of a window split in two)
 # A second edit of the helper, then the same handle trained again: its Rebuild button is left unclicked.
 UNCLICKED = ("def huber(r, delta=0.7):\n    a = jnp.abs(r)\n"
              "    return jnp.where(a < delta, 0.5 * r**2, delta * (a - 0.5 * delta))\n\nn.train(1);")
@@ -421,6 +422,12 @@ def walkthrough(shots: Path) -> dict:
             facts["overhang_live"] = overhanging(page)
             facts["lines_live"], facts["raw_lines"] = page.evaluate(LINES_JS)
             facts["chart_ticks"] = page.locator(".nitro-panel svg.nitro-chart").first.evaluate(TICKS_JS)
+            # A narrow side panel's width: every nitro box still holds what is in it (chips wrap inside).
+            page.set_viewport_size({"width": NARROW, "height": 900})
+            page.wait_for_timeout(500)
+            facts["overhang_narrow"] = overhanging(page)
+            page.set_viewport_size({"width": WIDTH, "height": 900})
+            page.wait_for_timeout(500)
             shoot(page, ".nitro-panel", shots / "panel-light.png")
             shoot(page, ".nitro-stats-box", shots / "stats-light.png")
             output_of(page, "nitro_ipy.cache_reset(); n = Nitro(e").screenshot(path=str(shots / "progress-light.png"))

@@ -64,8 +64,9 @@ def test_every_nitro_output_fits_an_800_px_window(seen):
 
 
 def test_nothing_overhangs_its_box_in_light_or_dark(seen):
-    """The stale chip, the chart, the lines: every element ends inside its nitro box, at 800 px."""
-    assert seen["overhang_live"] == [] and seen["overflow_dark"] == []
+    """The stale chip, the chart, the lines: every element ends inside its nitro box, at 800 px and in a
+    narrow window."""
+    assert seen["overhang_live"] == [] and seen["overflow_dark"] == [] and seen["overhang_narrow"] == []
 
 
 def test_every_line_is_drawn_in_one_look(seen):
@@ -82,6 +83,7 @@ def test_the_chart_has_whole_epoch_ticks(seen):
     xs, ys = seen["chart_ticks"]
     assert xs and all(x.isdigit() for x in xs) and [int(x) for x in xs] == sorted(int(x) for x in xs)
     assert xs[0] == "0" and 3 <= len(ys) <= 6
+    assert int(xs[-1]) < 100  # the axis ends where the data does, not at a stopped run's planned 100000
 
 
 def test_a_background_run_is_stopped_from_the_panel(seen):

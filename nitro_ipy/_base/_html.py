@@ -249,7 +249,7 @@ def loss_svg(train: list, valid: list, epochs: float | None = None, size: tuple 
         out.append(f"<line x1='{sx(x):.1f}' x2='{sx(x):.1f}' y1='{base}' y2='{base + 3}' style='stroke: {fg}'/>"
                    f"<text class='nitro-tick' x='{sx(x):.1f}' y='{base + 13}' text-anchor='middle' "
                    f"style='fill: {fg}'>{x}</text>")
-    out.append(f"<text class='nitro-axis-label' x='{left - 4}' y='{base + 13}' text-anchor='end' "
+    out.append(f"<text class='nitro-axis-label' x='{left - 9}' y='{base + 13}' text-anchor='end' "
                f"style='fill: {fg}'>epoch</text></g>")
     out.append("<g clip-path='url(#nitro-plot-area)'>")
     if train:

@@ -668,9 +668,9 @@ class Panel:
         p = _progress.latest()
         if p is None:
             return None
-        # The handle's whole run: its curve and validation points over every train() call, up to the
-        # epoch the latest call ends at.
-        return _html.LossChart(p.train_points, p.valid_points, p.last)
+        # The handle's whole run: its curve and validation points over every train() call, the x axis up
+        # to the epoch the data reached (a `train(100000, background=True)` stopped early ends there).
+        return _html.LossChart(p.train_points, p.valid_points)
 
     def outputs(self) -> tuple:
         """The panel's two outputs now: (figures + chart, latest compile)."""
