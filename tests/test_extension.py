@@ -539,7 +539,7 @@ def test_progress_display_says_where_an_interrupt_landed(trained, monkeypatch):
     outputs = _captured(train)
     assert outputs[-1].data["text/plain"].splitlines()[-1] == (
         "nitro_ipy: training interrupted at epoch 2, step 3/3; the handle is usable")
-    assert sink.front.progress.status.startswith("training interrupted")
+    assert sink.front.stop_text.startswith("training interrupted") and sink.front.progress is None
     assert [r["epoch"] for r in p.history] == [1] and p.step == 6
 
 
@@ -594,7 +594,7 @@ def test_the_progress_line_counts_the_handles_epochs(trained, monkeypatch):
     lines = [o.data["text/plain"].splitlines()[-1] for o in outputs]
     running = [ln for ln in lines if " | step " in ln]
     assert running and {ln.split(" | ")[0] for ln in running} <= {"nitro_ipy: epoch 3/4", "nitro_ipy: epoch 4/4"}
-    assert sink.front.progress.last == 4 == trained.user_ns["p"].epoch
+    assert nitro_ipy._training._progress.latest().last == 4 == trained.user_ns["p"].epoch
 
 
 def test_plot_is_the_panels_chart_of_the_history(trained):
@@ -810,3 +810,4 @@ def test_panel_stop_button_stops_a_background_run_and_ends_as_html():
         assert panel.run is None
     finally:
         panel.detach()
+

@@ -256,6 +256,7 @@ class NotebookFront(Block):
         super().__init__()
         self.progress = None
         self.min_interval = min_interval
+        self.stop_text = None  # the line a stop said, once the call ended with one
         self._last = 0.0
 
     # -- `_progress` front-end interface
@@ -285,6 +286,9 @@ class NotebookFront(Block):
             self.handle = show(self.output())
         else:
             self.update(p, force=True)
+        # Its final form is drawn: it lets go of the call's progress (and through it the handle).
+        self.stop_text = p.stop_message.text if p.stop_message is not None else None
+        self.progress = None
 
     def absorb(self, msg: _report.Message) -> bool:
         """Take a message said while its `train()` call runs (shown at once when it is the first); False
@@ -444,8 +448,7 @@ class RichSink:
 
     def interrupted(self, err) -> None:
         """Show the stop `err` says, unless the display of the call it stopped said it already."""
-        p = self.front.progress if self.front is not None else None
-        if p is not None and p.stop_message is not None and p.stop_message.text == str(err):
+        if self.front is not None and self.front.stop_text == str(err):
             return
         msg = getattr(err, "message", None) or _report.Message(Kind.INTERRUPTED, str(err), {})
         self.block = None if self.front is not None and self.front.handle is not None else self.block
