@@ -1,5 +1,8 @@
 """The reporter: one look per message kind, in text and HTML; the loss chart's axes, read from its SVG."""
 
+import io
+import sys
+import types
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -8,7 +11,7 @@ import nitro_ipy
 from nitro_ipy import Nitro
 from nitro_ipy._base import _html, _report
 from nitro_ipy._base._report import Kind
-from nitro_ipy._training import _loop
+from nitro_ipy._training import _loop, _progress
 
 import _experiments
 from _experiments import Reg
@@ -55,6 +58,26 @@ def test_the_text_front_prints_the_line(capsys):
     assert capsys.readouterr().out == "training interrupted at epoch 4, validating; the handle is usable\n"
     assert _report.message(Kind.INTERRUPTED, where="epoch 2, step 3/10", reason="stopped by `run.stop()`").text == (
         "training stopped at epoch 2, step 3/10: stopped by `run.stop()`; the handle is usable")
+
+
+def test_a_line_said_mid_epoch_lands_above_a_terminals_bar(capsys, monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Terminal()
+    monkeypatch.setattr(sys, "stderr", tty)  # a terminal's stderr, where the bar is drawn
+    front = _progress.TextFront()
+    p = types.SimpleNamespace(steps=10, epoch=4, last=5, done=2, loss=0.5)
+    front.begin_epoch(p)
+    assert front.bar.desc == "epoch 4/5" and front.bar.n == 2  # the handle's epochs; a continued epoch's steps
+    before = len(tty.getvalue())
+    msg = _report.emit(Kind.RECOMPILE_LOOP, program="opt", why="argument `opt_state` shape: [1] -> [2]")
+    during = tty.getvalue()[before:]  # the bar cleared for the line, then drawn again under it
+    front.end_epoch(p)
+    assert capsys.readouterr().out == msg.text + "\n"
+    assert during.startswith("\r") and "epoch 4/5" in during and msg.text not in tty.getvalue()
+    assert _report.bar_writer is None
 
 
 def test_long_name_lists_are_summed_up_with_the_full_list_one_click_away():

@@ -335,7 +335,19 @@ def message(kind: Kind, **data) -> Message:
     return Message(kind, TEXT[kind](**data), data, _folds(kind, data))
 
 
+# While a terminal's progress bar is drawn (`_progress.TextFront`), lines go through it (tqdm's `write`),
+# so a line said mid-epoch lands above the bar instead of through it.
+bar_writer: Callable[[str], None] | None = None
+
+
 def print_sink(msg: Message) -> None:
+    """The text front end: the message's line on stdout (above a terminal's progress bar, if one is drawn)."""
+    writer = bar_writer
+    if writer is not None:
+        try:
+            return writer(msg.text)
+        except Exception:  # noqa: BLE001 - a closed bar: print as usual
+            pass
     print(msg.text, file=sys.stdout, flush=True)
 
 

@@ -34,6 +34,7 @@ class TextFront:
 
         self.bar = tqdm(total=p.steps, desc=f"epoch {p.epoch}/{p.last}", unit="step", leave=False, initial=p.done,
                         file=self.stream, mininterval=0.25)
+        _report.bar_writer = lambda text: tqdm.write(text, file=sys.stdout)  # the bar clears, the line, the bar
 
     def update(self, p: "Progress") -> None:
         if self.bar is not None:
@@ -43,6 +44,7 @@ class TextFront:
 
     def end_epoch(self, p: "Progress") -> None:
         if self.bar is not None:
+            _report.bar_writer = None
             self.bar.close()
             self.bar = None
 
