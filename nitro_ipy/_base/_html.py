@@ -160,16 +160,21 @@ def _step(span: float, most: int) -> float:
     return 10 * unit
 
 
-def _ticks(lo: float, hi: float, most: int = 4) -> list:
-    """Round values between `lo` and `hi`, at most `most` + 1 of them."""
+def _ticks(lo: float, hi: float, most: int = 4) -> tuple:
+    """Round values between `lo` and `hi`: the widest 1-2-5 step that gives 3 to `most` + 1 of them.
+    Returns `(ticks, step)`."""
     step = _step(hi - lo, most)
-    first = math.ceil(lo / step - 1e-9)
-    out = []
-    k = first
-    while k * step <= hi + 1e-9 * step:
-        out.append(round(k * step, 12))
-        k += 1
-    return out
+    while True:
+        first = math.ceil(lo / step - 1e-9)
+        out = []
+        k = first
+        while k * step <= hi + 1e-9 * step:
+            out.append(round(k * step, 12))
+            k += 1
+        if len(out) >= 3 or step < (hi - lo) * 1e-6:
+            return out, step
+        digits = f"{step:.0e}"  # the next smaller 1-2-5 step: 5 -> 2 -> 1 -> 0.5
+        step = step * (0.4 if digits.startswith("5") else 0.5)
 
 
 def _tick_text(value: float, step: float) -> str:
@@ -233,9 +238,9 @@ def loss_svg(train: list, valid: list, epochs: float | None = None, size: tuple 
            f"viewBox='0 0 {w} {h}' style='max-width: 100%; height: auto; font: 10px sans-serif'>",
            f"<defs><clipPath id='nitro-plot-area'><rect x='{left}' y='{top - 2}' width='{pw}' "
            f"height='{ph + 4}'/></clipPath></defs>"]
-    ystep = _step(y1 - y0, 4)
+    yticks, ystep = _ticks(y0, y1, 4)
     out.append("<g class='nitro-y-axis'>")
-    for y in _ticks(y0, y1, 4):
+    for y in yticks:
         out.append(f"<line x1='{left}' x2='{w - right}' y1='{sy(y):.1f}' y2='{sy(y):.1f}' style='stroke: {grid}'/>"
                    f"<text class='nitro-tick' x='{left - 4}' y='{sy(y) + 3:.1f}' text-anchor='end' "
                    f"style='fill: {fg}'>{_tick_text(y, ystep)}</text>")
