@@ -57,7 +57,9 @@ def widget_kernel(shell) -> bool:
 def _import_widgets():
     """`_widgets`, or None when ipywidgets (or IPython's display machinery) cannot be imported."""
     try:
-        from . import _widgets  # lazy: ipywidgets is optional, and only a widget kernel needs it
+        from . import (
+            _widgets,  # lazy: ipywidgets is optional, and only a widget kernel needs it
+        )
     except ImportError:
         return None
     return _widgets
@@ -225,7 +227,9 @@ class NitroMagics(Magics):
             print(f"{why}\n{stats_table().summary()}")
             return
         if self.panel is None:
-            from ._widgets import Panel  # imported already: `self.sink` is one of its classes
+            from ._widgets import (
+                Panel,  # imported already: `self.sink` is one of its classes
+            )
 
             self.panel = self.sink.panel = Panel()
             self.panel.attach()
