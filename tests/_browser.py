@@ -25,6 +25,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 THEMES = {"light": "JupyterLab Light", "dark": "JupyterLab Dark"}
 WIDGET_ERROR = "Error displaying widget"
 WIDTH = 800
+NARROW = 480  # about a side panel's width (the notebook area of a window split in two)
 # A second edit of the helper, then the same handle trained again: its Rebuild button is left unclicked.
 UNCLICKED = ("def huber(r, delta=0.7):\n    a = jnp.abs(r)\n"
              "    return jnp.where(a < delta, 0.5 * r**2, delta * (a - 0.5 * delta))\n\nn.train(1);")
@@ -300,6 +301,31 @@ def overflowing(page, selector: str = NITRO_OUTPUTS) -> list:
     return page.eval_on_selector_all(selector, OVERFLOW_JS)
 
 
+# Every element inside a nitro_ipy box whose right edge passes the box's own (a chip overhanging the
+# panel): `text: px past` each.
+OVERHANG_JS = """els => els.flatMap(box => {
+  const edge = box.getBoundingClientRect().right;
+  return [...box.querySelectorAll('*')].flatMap(e => { const r = e.getBoundingClientRect();
+    return r.width > 0 && r.right > edge + 0.5 ? [`${(e.textContent || e.tagName).slice(0, 40)}: ${Math.round(r.right - edge)}`] : []; });
+})"""
+
+
+def overhanging(page) -> list:
+    return page.eval_on_selector_all(".nitro-box", OVERHANG_JS)
+
+
+# How each nitro_ipy line is drawn: `[class, font family, white-space]` of every `.nitro-line`, and how
+# many plain-text outputs say a nitro_ipy line (a line that missed the reporter's look).
+LINES_JS = """() => [[...document.querySelectorAll('.nitro-line')].map(e => { const s = getComputedStyle(e);
+    return [e.className.split(' ')[1] || '', s.fontFamily, s.whiteSpace]; }),
+  [...document.querySelectorAll('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stdout"]')]
+    .filter(e => /nitro_ipy: (compiled|epoch)/.test(e.textContent)).length]"""
+
+# The loss chart's tick labels: `[x ticks, y ticks]`.
+TICKS_JS = """svg => ['.nitro-x-axis', '.nitro-y-axis'].map(
+  g => [...svg.querySelectorAll(g + ' text.nitro-tick')].map(t => t.textContent))"""
+
+
 def widget_errors(page) -> int:
     return page.locator(f"text={WIDGET_ERROR}").count()
 
@@ -393,6 +419,15 @@ def walkthrough(shots: Path) -> dict:
             facts["panel_chart"] = page.locator(".nitro-panel svg.nitro-chart").count()
             facts["progress_lines"] = page.locator(".nitro-progress").count()
             facts["overflow_live"] = overflowing(page)  # an 800 px window: chips wrap, nothing is cut off
+            facts["overhang_live"] = overhanging(page)
+            facts["lines_live"], facts["raw_lines"] = page.evaluate(LINES_JS)
+            facts["chart_ticks"] = page.locator(".nitro-panel svg.nitro-chart").first.evaluate(TICKS_JS)
+            # A narrow side panel's width: every nitro box still holds what is in it (chips wrap inside).
+            page.set_viewport_size({"width": NARROW, "height": 900})
+            page.wait_for_timeout(500)
+            facts["overhang_narrow"] = overhanging(page)
+            page.set_viewport_size({"width": WIDTH, "height": 900})
+            page.wait_for_timeout(500)
             shoot(page, ".nitro-panel", shots / "panel-light.png")
             shoot(page, ".nitro-stats-box", shots / "stats-light.png")
             output_of(page, "nitro_ipy.cache_reset(); n = Nitro(e").screenshot(path=str(shots / "progress-light.png"))
@@ -415,6 +450,7 @@ def walkthrough(shots: Path) -> dict:
             switch_theme(page, "dark")
             facts["live_dark_page"] = computed(page, ".jp-Notebook", ("background-color",))
             facts["live_dark_contrast"] = contrasts(page, ".nitro-box")
+            facts["overflow_dark"] = overflowing(page) + overhanging(page)
             output_of(page, UNCLICKED_CELL).screenshot(path=str(shots / "unclicked-live-dark.png"))
             out = output_of(page, "n.train(1);")
             out.scroll_into_view_if_needed()

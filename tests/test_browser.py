@@ -63,6 +63,29 @@ def test_every_nitro_output_fits_an_800_px_window(seen):
     assert seen["overflow_live"] == []
 
 
+def test_nothing_overhangs_its_box_in_light_or_dark(seen):
+    """The stale chip, the chart, the lines: every element ends inside its nitro box, at 800 px and in a
+    narrow window."""
+    assert seen["overhang_live"] == [] and seen["overflow_dark"] == [] and seen["overhang_narrow"] == []
+
+
+def test_every_line_is_drawn_in_one_look(seen):
+    """Compile and epoch lines, the first ones of a cell too, are the reporter's lines: monospace, wrapping
+    at spaces; none reached the cell as plain stdout text."""
+    kinds = {kind for kind, _, _ in seen["lines_live"]}
+    assert {"nitro-compile", "nitro-epoch"} <= kinds
+    assert len({(font, space) for _, font, space in seen["lines_live"]}) == 1
+    assert seen["lines_live"][0][2] == "pre-wrap" and "mono" in seen["lines_live"][0][1].lower()
+    assert seen["raw_lines"] == 0
+
+
+def test_the_chart_has_whole_epoch_ticks(seen):
+    xs, ys = seen["chart_ticks"]
+    assert xs and all(x.isdigit() for x in xs) and [int(x) for x in xs] == sorted(int(x) for x in xs)
+    assert xs[0] == "0" and 3 <= len(ys) <= 6
+    assert int(xs[-1]) < 100000 and len(xs) <= 9  # ends where the data does, not at a stopped run's plan
+
+
 def test_a_background_run_is_stopped_from_the_panel(seen):
     assert seen["stop_button"] == 1
     assert seen["stop_result"] == "stop asked: the run ends at the next step boundary, nothing lost"

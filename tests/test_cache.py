@@ -1,6 +1,7 @@
 """The module-level compile cache: what moves the key, exact counts, miss explanations, poisoning."""
 
 import dataclasses
+import pickle
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import pytest
 from conftest import cpu_only
 import nitro_ipy
 from nitro_ipy import CacheStats, Device, GraphConst, Host, Nitro
+from nitro_ipy._base import _html, _report
 from nitro_ipy._compiler import _cache, _compile, _explain
 
 import _experiments  # the tiny regression most tests train, and its data
@@ -182,10 +184,44 @@ def test_compile_line_carries_the_explanation(capsys):
     _train(Reg(hidden=8))
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("nitro_ipy: compiled grad")]
     assert len(lines) == 1
-    assert lines[0].endswith(
-        "(GraphConst `hidden`: 16 -> 8; argument `params['w1']` shape: [4, 16] -> [4, 8]; "
-        "argument `params['w2']` shape: [16] -> [8])"
-    )
+    # The line names the cause and counts what moved with it; the entry keeps every change.
+    assert lines[0].endswith("(GraphConst `hidden`: 16 -> 8, and 2 argument shapes with it)")
+    grad = [e for e in _cache.live_entries() if e.kind == "grad"][-1]
+    assert grad.why.causes == ("GraphConst `hidden`: 16 -> 8",)
+    assert grad.why.follows == ("argument `params['w1']` shape: [4, 16] -> [4, 8]",
+                                "argument `params['w2']` shape: [16] -> [8]")
+    msg = _report.message("compile", entry=grad)
+    assert msg.more == (_report.Fold("all 3 changes", (*grad.why.causes, *grad.why.follows)),)
+    # In HTML the full list is one click away, in a <details> under the line.
+    html = _html.message_html(msg)
+    assert html.count("<details") == 1 and "<summary" in html and "all 3 changes</summary>" in html
+    assert "argument <code" in html and "params[&#x27;w2&#x27;]</code> shape: [16] -&gt; [8]" in html
+
+
+def test_explanation_summaries_name_the_cause_and_count_the_rest():
+    E = _report.Explanation
+    shapes = [f"argument `params['w{i}']` shape: [32] -> [8192]" for i in range(6)]
+    why = E(["GraphConst `hidden`: 32 -> 8192"], shapes)
+    assert why == "; ".join(["GraphConst `hidden`: 32 -> 8192", *shapes])  # still the full text as a str
+    assert why.summary() == "GraphConst `hidden`: 32 -> 8192, and 6 argument shapes with it"
+    two = E(["GraphConst `hidden`: 32 -> 64", "hook `loss` was redefined"], shapes[:1] + ["argument `lr` dtype: float32 -> int32"])
+    assert two.summary() == "GraphConst `hidden`: 32 -> 64; hook `loss` was redefined, and 2 argument changes with them"
+    batch = E([], [f"argument `batch['x{i}']` shape: [32] -> [16]" for i in range(7)])
+    assert batch.summary() == "; ".join(batch.follows[:3]) + "; and 4 more argument changes"
+    few = E([], batch.follows[:2])
+    assert few.summary() == str(few) and few.folded() == ()
+    assert _report.why_summary("recompiling against edited code: m.f") == "recompiling against edited code: m.f"
+    assert pickle.loads(pickle.dumps(why)).summary() == why.summary()
+
+
+def test_names_beyond_a_few_are_counted_and_kept_whole():
+    names = tuple(f"m.f{i}" for i in range(7))
+    msg = _report.message("stale-cache", count=2, names=names, kinds=("grad", "eval"))
+    assert "redefined: m.f0, m.f1, m.f2 and 4 more." in msg.text
+    assert msg.more == (_report.Fold("all 7 names", names),)
+    assert _html.message_html(msg).count("<div><code") == 0 and "m.f6" in _html.message_html(msg)
+    short = _report.message("stale-cache", count=1, names=names[:4], kinds=("grad",))
+    assert "redefined: m.f0, m.f1, m.f2, m.f3." in short.text and short.more == ()
 
 
 def _sig(path, shape, dtype="float32", weak=False, sharding=None):

@@ -131,7 +131,7 @@ def test_the_jupyter_page_quotes_the_messages_as_the_code_writes_them():
     from IPython.core.interactiveshell import InteractiveShell
 
     from nitro_ipy._notebook import _magics, _widgets
-    from nitro_ipy._base._html import summarise_why
+    from nitro_ipy._base._report import Explanation
 
     page = (ROOT / "docs" / "jupyter.md").read_text()
     flat, blocks = _flat(page), _text_blocks(page)
@@ -143,7 +143,8 @@ def test_the_jupyter_page_quotes_the_messages_as_the_code_writes_them():
         _widgets.SAVED_STOP.format(what=" of `Regressor` (3 epochs)"),
         "stop asked: the run ends at the next step boundary, nothing lost",
         "nothing rebuilt: no name in the namespace holds this handle any more;",
-        summarise_why("GraphConst `hidden`: 16 -> 8; " + "; ".join(f"argument `a{i}` shape" for i in range(4))),
+        Explanation(["GraphConst `hidden`: 16 -> 8"], [f"argument `a{i}` shape: [16] -> [8]" for i in range(4)]).summary(),
+        Explanation(["GraphConst `hidden`: 32 -> 8192"], [f"argument `a{i}` shape: [32] -> [8192]" for i in range(6)]).summary(),
         "nitro_ipy: compile cache emptied; counters zeroed.",
         "nitro_ipy: the post-cell hook failed (",
         "); your cell ran normally.",

@@ -6,6 +6,7 @@ the file watcher in test_watch.py.
 
 import gc
 import importlib
+import re
 import subprocess
 import sys
 import threading
@@ -16,7 +17,7 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 import nitro_ipy
-from nitro_ipy._base import _events, _report, _world
+from nitro_ipy._base import _events, _html, _report, _world
 from nitro_ipy._compiler import _cache
 from nitro_ipy._notebook import _extension, _magics
 
@@ -210,6 +211,23 @@ def test_nitro_stats_after_an_edit_shows_poisoned_and_why(trained, capsys):
     assert "  why grad compiled: recompiling against edited code: __main__.helper" in repr(table).splitlines()
 
 
+def test_nitro_stats_why_lists_every_change_the_lines_sum_up(trained, capsys):
+    _run(trained, "m = Nitro(Tiny(hidden=9), data=data, batch_size=2, progress=False); m.train(1)")
+    out = capsys.readouterr().out
+    grad_line = next(ln for ln in out.splitlines() if ln.startswith("nitro_ipy: compiled grad"))
+    assert grad_line.endswith("(GraphConst `hidden`: 4 -> 9, and 4 argument shapes with it)")
+    grad = [e for e in _cache.live_entries() if e.kind == "grad"][-1]
+    short = repr(trained.run_line_magic("nitro_stats", "")).splitlines()
+    full = repr(trained.run_line_magic("nitro_stats", "--why")).splitlines()
+    assert "  why grad compiled: GraphConst `hidden`: 4 -> 9, and 4 argument shapes with it" in short
+    at = full.index("  why grad compiled: GraphConst `hidden`: 4 -> 9, and 4 argument shapes with it:")
+    assert full[at + 1:at + 6] == [f"    {c}" for c in (*grad.why.causes, *grad.why.follows)]
+    assert len(grad.why.follows) == 4 and all(" shape: " in f for f in grad.why.follows)
+    html = trained.run_line_magic("nitro_stats", "")._repr_html_()
+    assert "all 5 changes</summary>" in html and "<details class='nitro-more'" in html
+    assert "<details open class='nitro-more'" in trained.run_line_magic("nitro_stats", "--why")._repr_html_()
+
+
 def test_nitro_stats_lists_untracked_values(loaded, capsys):
     code = EXPERIMENT.replace(
         "def helper(r):\n    return r ** 2\n",
@@ -247,7 +265,7 @@ def test_reset_magics(trained, capsys, line):
 
 
 def test_unknown_options_are_usage_errors_listing_the_valid_ones(loaded):
-    with pytest.raises(UsageError, match=r"^`%nitro_stats`: unrecognized arguments: --bogus. Valid options: --reset.$"):
+    with pytest.raises(UsageError, match=r"^`%nitro_stats`: unrecognized arguments: --bogus. Valid options: --reset, --why.$"):
         loaded.run_line_magic("nitro_stats", "--bogus")
     with pytest.raises(UsageError, match=r"^`%nitro_reset`: unrecognized arguments: now. Valid options: --disk.$"):
         loaded.run_line_magic("nitro_reset", "now")
@@ -341,10 +359,12 @@ def test_rebuild_button_rebinds_every_name_and_ends_as_html(trained, monkeypatch
     assert update.data["text/plain"] == "rebuilt: n, n_alias -> new handle"
     assert set(update.data) == {"text/plain", "text/html"} and "jp-success-color1" in update.data["text/html"]
     assert button.state == "done" and button.widget.comm is None  # closed
-    capsys.readouterr()
-    _run(trained, "records = n.train()")
-    # The rebuilt handle compiles what the edit changed, and says nothing about staleness.
-    assert [line.split()[2] for line in capsys.readouterr().out.splitlines()] == ["grad", "eval"]
+    outputs = _captured(_run, trained, "records = n.train()")
+    # The rebuilt handle compiles what the edit changed, and says nothing about staleness: its lines
+    # share the cell's one output.
+    assert {o.transient["display_id"] for o in outputs} == {sink.block.handle.display_id}
+    lines = outputs[-1].data["text/plain"].splitlines()
+    assert [line.split()[2] for line in lines if " compiled " in line] == ["grad", "eval"]
     assert [e.kind for e in _cache.live_entries()] == ["opt", "grad", "eval"]
 
 
@@ -398,51 +418,103 @@ def test_unclicked_buttons_end_as_html_once_the_user_moves_on(trained, monkeypat
     assert _captured(lambda: sink.retire(moved_on=True)) == []  # nothing left to retire
 
 
-def test_other_message_kinds(monkeypatch):
+def test_a_cells_messages_share_one_output_each_in_its_kinds_look(monkeypatch):
     from nitro_ipy._notebook._widgets import RichSink
 
     previous = []
     ip = InteractiveShell.instance()
     sink = RichSink(ip, previous.append)
-    titles = {"disk-edit": "Edited on disk, not loaded yet", "recompile-loop": "Recompile loop in the "}
-    for kind, data in (("disk-edit", {"names": ("m.f",)}), ("recompile-loop", {"program": "grad", "why": "x"})):
-        (out,) = _captured(sink, _report.Message(kind, f"nitro_ipy: a {kind} line with `code`", data))
-        assert out.data["text/plain"] == f"nitro_ipy: a {kind} line with `code`"
-        assert "jp-warn-color1" in out.data["text/html"] and titles[kind] in out.data["text/html"]
-        assert f"A {kind} line with <code" in out.data["text/html"]
-    assert _captured(sink, _report.Message("compile", "nitro_ipy: compiled grad", {})) == []
-    sink(_report.Message("epoch", "nitro_ipy: epoch 1", {}))
-    assert [m.kind for m in previous] == ["compile", "epoch"]  # no progress display open: plain text lines
-    assert sink.buttons == []
+    said = [
+        _report.Message("compile", "nitro_ipy: compiled grad [forward, loss] in 0.20 s", {}),
+        _report.Message("disk-edit", "nitro_ipy: a disk-edit line with `code`", {"names": ("m.f",)}),
+        _report.Message("epoch", "nitro_ipy: epoch 1 | loss 0.5", {}),
+        _report.Message("compile", "nitro_ipy: compiled eval [forward, loss] in 0.10 s", {}),
+        _report.Message("recompile-loop", "nitro_ipy: a recompile-loop line", {"program": "grad", "why": "x"}),
+    ]
+    outputs = [_captured(sink, msg) for msg in said]
+    assert [len(o) for o in outputs] == [1, 1, 1, 1, 1]
+    first, *later = [o[0] for o in outputs]
+    assert not first.update and all(o.update for o in later)  # one output, updated in place
+    assert {o.transient["display_id"] for o in later} == {first.transient["display_id"]}
+    final = later[-1].data
+    assert final["text/plain"] == "\n".join(m.text for m in said)  # what a terminal prints, in order
+    html = final["text/html"]
+    # Lines in muted monospace blocks (consecutive ones together), boxes between, in the order said.
+    marks = re.findall(r"class='(nitro-lines|nitro-line nitro-\w+|nitro-box nitro-\w+ nitro-message nitro-[\w-]+)", html)
+    assert marks == ["nitro-lines", "nitro-line nitro-compile", "nitro-box nitro-warning nitro-message nitro-disk-edit",
+                     "nitro-lines", "nitro-line nitro-epoch", "nitro-line nitro-compile",
+                     "nitro-box nitro-warning nitro-message nitro-recompile-loop"]
+    assert ">Edited on disk, not loaded yet</div>" in html and "A disk-edit line with <code" in html
+    assert ">Recompile loop in the <code" in html
+    # Every line of one kind is drawn alike: the same markup as the reporter's own for that message.
+    assert _html.message_html(said[0]).split("<div class='nitro-line")[1] in html
+    assert previous == [] and sink.buttons == []
+    ip.execution_count += 1  # the next cell starts an output of its own
+    try:
+        (nxt,) = _captured(sink, said[2])
+    finally:
+        ip.execution_count -= 1
+    assert not nxt.update and nxt.data["text/plain"] == said[2].text
 
 
-def test_messages_off_the_main_thread_stay_text():
+def test_a_line_on_screen_keeps_no_program_or_handle_alive(trained, monkeypatch):
+    import weakref
+
+    sink = _sinked(monkeypatch, trained)
+    before = {id(e) for e in _cache.live_entries()}
+    _captured(_run, trained, "q = Nitro(Tiny(hidden=5), data=data, batch_size=16, progress=False); rows = q.train(1)")
+    mine = [weakref.ref(e) for e in _cache.live_entries() if id(e) not in before]
+    handle = weakref.ref(trained.user_ns["q"])
+    assert len(mine) == 3 and [m.kind for m in sink.block.messages].count("compile") == 3
+    nitro_ipy.cache_reset()
+    _run(trained, "del q")
+    gc.collect()
+    assert handle() is None and all(ref() is None for ref in mine)  # the cell's output still shows their lines
+    assert sink.block.output().text.count("nitro_ipy: compiled ") == 3
+
+
+def test_messages_off_the_main_thread_are_drawn_by_the_main_thread_alike():
     from nitro_ipy._notebook._widgets import RichSink
 
     previous = []
     sink = RichSink(InteractiveShell.instance(), previous.append)
-    t = threading.Thread(target=sink, args=(_report.Message("stale-cache", "x", {"count": 1}),))
-    t.start()
-    t.join()
-    assert [m.text for m in previous] == ["x"]
+    ahead = _report.Message("compile", "nitro_ipy: compiled eval [forward, loss] in 0.10 s (compiled ahead)", {})
+    stale = _report.Message("stale-cache", "nitro_ipy: 1 cached program (grad) poisoned; redefined: m.f.",
+                            {"count": 1, "names": ("m.f",), "kinds": ("grad",)})
+    threads = [threading.Thread(target=sink, args=(m,)) for m in (ahead, stale)]
+    drawn = _captured(lambda: [(t.start(), t.join()) for t in threads])
+    assert drawn == [] and previous == [] and sink.pending == [ahead, stale]  # nothing printed, nothing shown
+    epoch = _report.Message("epoch", "nitro_ipy: epoch 1 | loss 0.5", {})
+    outputs = _captured(sink, epoch)  # the main thread draws the queued ones first, in order
+    assert sink.pending == []
+    assert outputs[-1].data["text/plain"] == "\n".join(m.text for m in (ahead, stale, epoch))
+    # Drawn exactly as the same messages said on the main thread.
+    main = RichSink(InteractiveShell.instance(), previous.append)
+    alike = [_captured(main, m) for m in (ahead, stale, epoch)][-1]
+    assert alike[-1].data == outputs[-1].data
 
 
 def test_progress_display_one_per_train_call(trained, monkeypatch):
     sink = _sinked(monkeypatch, trained)
     _run(trained, "p = Nitro(Tiny(hidden=6), data=data, batch_size=2)")  # 24 steps an epoch
+    misses = nitro_ipy.cache_stats().misses
     outputs = _captured(_run, trained, "p.train(3)")
     front = sink.front
     first, *updates = outputs
     assert not first.update and all(u.update for u in updates)
     assert {u.transient["display_id"] for u in updates} == {first.transient["display_id"]}
-    assert first.data["text/plain"].startswith("nitro_ipy: epoch 1/3 | step 1/24")
+    # The display opens with the first step's compile lines, in the same look as every later line.
+    assert first.data["text/plain"].startswith("nitro_ipy: compiled grad [forward, loss]")
+    assert any(u.data["text/plain"].splitlines()[-1].startswith("nitro_ipy: epoch 1/3 | step ") for u in updates)
     # Updated at the epoch ends, at most every 0.25 s between, and once at the end: never per step.
-    assert len(updates) == front.updates and 3 <= front.updates < 72
+    assert len(updates) == front.updates and 3 <= front.updates < 80
     final = updates[-1].data["text/plain"].splitlines()
-    assert [line.split()[1] for line in final] == ["compiled", "epoch", "epoch", "epoch"]
-    assert final[0].startswith("nitro_ipy: compiled eval [forward, loss]")
+    compiled = nitro_ipy.cache_stats().misses - misses
+    assert [line.split()[1] for line in final] == ["compiled"] * compiled + ["epoch"] * 3
+    assert final[compiled - 1].startswith("nitro_ipy: compiled eval [forward, loss]")
+    assert updates[-1].data["text/html"].count("class='nitro-line nitro-compile'") == compiled
     assert [r["epoch"] for r in trained.user_ns["p"].history] == [1, 2, 3]
-    assert final[3] == _report.message("epoch", record=trained.user_ns["p"].history[-1]).text
+    assert final[-1] == _report.message("epoch", record=trained.user_ns["p"].history[-1]).text
     assert "nitro-progress-running" not in updates[-1].data["text/html"]
 
 
@@ -468,8 +540,62 @@ def test_progress_display_says_where_an_interrupt_landed(trained, monkeypatch):
     outputs = _captured(train)
     assert outputs[-1].data["text/plain"].splitlines()[-1] == (
         "nitro_ipy: training interrupted at epoch 2, step 3/3; the handle is usable")
-    assert sink.front.progress.status.startswith("training interrupted")
+    assert sink.front.stop_text.startswith("training interrupted") and sink.front.progress is None
     assert [r["epoch"] for r in p.history] == [1] and p.step == 6
+
+
+def _stop_in_epoch(monkeypatch, epoch: int):
+    """Press Ctrl-C at the first sync point of the handle's epoch `epoch` (1-based)."""
+    from nitro_ipy._training import _loop
+
+    real = _loop.check_losses
+
+    def interrupt(n, *args):
+        if n.epoch + 1 == epoch:
+            raise KeyboardInterrupt
+        return real(n, *args)
+
+    monkeypatch.setattr(_loop, "check_losses", interrupt)
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_a_stop_is_said_once_in_the_handles_epochs(trained, monkeypatch, capsys, progress):
+    _widget_kernel(monkeypatch)
+    trained.run_line_magic("reload_ext", "nitro_ipy")  # the rich sink, which says a stop once
+    _run(trained, f"p = Nitro(Tiny(hidden=6), data=data, batch_size=16, progress={progress}); p.train(2)")
+    _stop_in_epoch(monkeypatch, 4)  # the second epoch of the next call: the handle's fourth
+    capsys.readouterr()
+    results = []
+    outputs = _captured(lambda: results.append(trained.run_cell("p.train(3)")))
+    (result,) = results
+    err = result.error_in_exec
+    p = trained.user_ns["p"]
+    line = "training interrupted at epoch 4, step 3/3; the handle is usable"
+    assert isinstance(err, nitro_ipy.TrainingInterrupted) and str(err) == line  # what a script prints
+    assert (err.epoch, err.step, err.steps, p.epoch, [r["epoch"] for r in err.rows]) == (4, 3, 3, 3, [3])
+    assert not result.success  # the cell still ends in an error: a "Run All" stops there
+    # Said once: the last state of each output, and nothing printed (no traceback under it).
+    finals = {o.transient["display_id"]: o.data for o in outputs}
+    said = [d for d in finals.values() if "training interrupted" in d["text/plain"]]
+    out = capsys.readouterr()
+    assert "training interrupted" not in out.out + out.err
+    assert len(said) == 1 and said[0]["text/plain"].count("training interrupted") == 1
+    assert said[0]["text/plain"].splitlines()[-1] == (f"nitro_ipy: {line}" if progress else line)
+    html = said[0]["text/html"]
+    assert html.count("nitro-message nitro-interrupted") == 1 and "jp-warn-color1" in html
+    if progress:  # in the call's display, where its progress line was; the epoch lines above it agree
+        assert "nitro-progress-stopped" in html and "epoch 3/5" not in html
+        assert [ln for ln in said[0]["text/plain"].splitlines() if " | loss " in ln][-1].startswith("nitro_ipy: epoch 3 |")
+
+
+def test_the_progress_line_counts_the_handles_epochs(trained, monkeypatch):
+    sink = _sinked(monkeypatch, trained)
+    _run(trained, "p = Nitro(Tiny(hidden=6), data=data, batch_size=16); p.train(2)")
+    outputs = _captured(_run, trained, "p.train(2)")
+    lines = [o.data["text/plain"].splitlines()[-1] for o in outputs]
+    running = [ln for ln in lines if " | step " in ln]
+    assert running and {ln.split(" | ")[0] for ln in running} <= {"nitro_ipy: epoch 3/4", "nitro_ipy: epoch 4/4"}
+    assert nitro_ipy._training._progress.latest().last == 4 == trained.user_ns["p"].epoch
 
 
 def test_plot_is_the_panels_chart_of_the_history(trained):
@@ -479,7 +605,7 @@ def test_plot_is_the_panels_chart_of_the_history(trained):
     assert chart.train == [(1, n.history[0]["loss"]), (2, n.history[1]["loss"]), (3, n.history[2]["loss"])]
     assert chart.valid == [(float(r["epoch"]), r["valid_loss"]) for r in n.history]
     bundle = chart._repr_mimebundle_()
-    assert bundle["text/html"].count("r='3'") == 3 and "<polyline" in bundle["text/html"]
+    assert bundle["text/html"].count("nitro-valid-point") == 3 and "<polyline class='nitro-train'" in bundle["text/html"]
     assert bundle["text/plain"] == (f"nitro_ipy loss chart: train loss {n.history[0]['loss']:.4g} → "
                                     f"{n.history[-1]['loss']:.4g} (3 points), valid loss "
                                     f"{n.history[-1]['valid_loss']:.4g} at epoch 3")
@@ -558,7 +684,7 @@ def test_panel_draws_the_loss_chart_of_the_running_train(trained, monkeypatch):
         assert chart.valid == [(1.0, p.history[0]["valid_loss"]), (2.0, p.history[1]["valid_loss"])]
         assert chart.train[-1] == (2.0, pytest.approx(chart.train[-1][1])) and len(chart.train) >= 2
         main, _ = panel.outputs()
-        assert "<svg class='nitro-chart'" in main.html and main.html.count("r='3'") == 2  # the validation dots
+        assert "<svg class='nitro-chart'" in main.html and main.html.count("nitro-valid-point") == 2  # the validation dots
         assert main.text.splitlines()[1] == repr(chart)
     finally:
         panel.detach()
@@ -685,3 +811,4 @@ def test_panel_stop_button_stops_a_background_run_and_ends_as_html():
         assert panel.run is None
     finally:
         panel.detach()
+

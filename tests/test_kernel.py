@@ -98,6 +98,16 @@ def _stream(messages) -> str:
     return "".join(m["content"]["text"] for m in _of(messages, "stream"))
 
 
+def _said(messages) -> str:
+    """What a cell said, as a plain-text reader of it sees it: its printed text, then the last state of
+    each display output, in the order they were first shown."""
+    shown: dict = {}
+    for m in messages:
+        if m["msg_type"] in ("display_data", "update_display_data") and "transient" in m["content"]:
+            shown[m["content"]["transient"]["display_id"]] = m["content"]["data"].get("text/plain", "")
+    return _stream(messages) + "".join(text + "\n" for text in shown.values() if text)
+
+
 @pytest.fixture(scope="module")
 def session(kernel):
     """The extension loaded and a tiny experiment trained, then its helper edited: the story's setup."""
@@ -166,8 +176,9 @@ def test_stale_messages_are_html_and_only_the_button_is_a_widget(session):
     assert button_id in [m["content"]["comm_id"] for m in _of(clicked, "comm_close")]
     assert session.value("[n is n_alias, n.step, type(n).__name__]") == [True, 6, "Nitro"]
     messages = session.run("records = n.train()")
-    assert [line.split()[2] for line in _stream(messages).splitlines()] == ["grad", "eval"]
-    assert _of(messages, "display_data") == []
+    assert _stream(messages) == ""  # the compile lines are the reporter's: one output, no raw text
+    assert [line.split()[2] for line in _said(messages).splitlines()] == ["grad", "eval"]
+    assert len(_of(messages, "display_data")) == 1
 
 
 def _button_shown(messages):
@@ -198,17 +209,19 @@ def test_an_unclicked_rebuild_button_is_retired_when_no_name_holds_its_handle(se
 
 def test_one_progress_display_per_train_call_ending_as_its_lines(session):
     messages = session.run("p = Nitro(Tiny(hidden=7), data=data, batch_size=16); records = p.train(2)")
-    out = _stream(messages)
-    assert [line.split()[2] for line in out.splitlines()] == ["grad", "opt"]  # said before the display
+    assert _stream(messages) == ""  # the first step's compile lines open the display: no raw text
     (shown,) = _of(messages, "display_data")
     display_id = shown["content"]["transient"]["display_id"]
     assert set(shown["content"]["data"]) == {"text/plain", "text/html"}
-    assert shown["content"]["data"]["text/plain"].startswith("nitro_ipy: epoch 1/2 | step 1/3")
+    assert shown["content"]["data"]["text/plain"].startswith("nitro_ipy: compiled grad [forward, loss]")
     updates = [m["content"] for m in _of(messages, "update_display_data")]
     assert {u["transient"]["display_id"] for u in updates} == {display_id}
+    assert any(u["data"]["text/plain"].splitlines()[-1].startswith("nitro_ipy: epoch 1/2 | step ") for u in updates)
     final = updates[-1]["data"]["text/plain"].splitlines()
-    assert [line.split()[1:3] for line in final] == [["compiled", "eval"], ["epoch", "1"], ["epoch", "2"]]
-    assert final[1].startswith("nitro_ipy: epoch 1 | loss ") and "valid_loss" in final[1]
+    assert [line.split()[1:3] for line in final] == [["compiled", "grad"], ["compiled", "opt"], ["compiled", "eval"],
+                                                     ["epoch", "1"], ["epoch", "2"]]
+    assert final[3].startswith("nitro_ipy: epoch 1 | loss ") and "valid_loss" in final[3]
+    assert updates[-1]["data"]["text/html"].count("class='nitro-line nitro-compile'") == 3
     assert "nitro-progress-running" not in updates[-1]["data"]["text/html"]
     assert _widget_opens(messages) == {}  # no widget: nothing to lose on a reopen
 
@@ -231,7 +244,7 @@ def test_nitro_panel_is_html_updated_in_place(session):
     seconds = session.value("'%.2f' % (lambda e: e.trace_s + e.compile_s)(nitro_ipy._compiler._cache.live_entries()[-1])")
     assert main["data"]["text/plain"].splitlines()[0] == (
         f"nitro_ipy panel: hits {stats[0]} | misses {stats[1]} | entries {stats[2]} | poisoned 4 | latest compile: "
-        f"eval [forward, loss] in {seconds} s (GraphConst `hidden`: 4 -> 7, and 2 argument changes that follow)"
+        f"eval [forward, loss] in {seconds} s (GraphConst `hidden`: 4 -> 7, and 2 argument shapes with it)"
     )
     assert "stale: 4 programs compiled before an edit" in main["data"]["text/html"]
     assert latest["data"]["text/plain"].startswith("latest compile: eval [forward, loss] in ")
@@ -242,16 +255,19 @@ def test_nitro_panel_is_html_updated_in_place(session):
     # Training updates the panel's outputs in place; a GraphConst change is summarised by its field.
     messages = session.run("q = Nitro(Tiny(hidden=5), data=data, batch_size=16, progress=False); records = q.train()")
     updates = [m["content"] for m in _of(messages, "update_display_data")]
-    assert {u["transient"]["display_id"] for u in updates} <= set(ids[:2])
+    own = {m["content"]["transient"]["display_id"] for m in _of(messages, "display_data")}  # the cell's lines
+    assert {u["transient"]["display_id"] for u in updates} <= set(ids[:2]) | own
     last_main = [u for u in updates if u["transient"]["display_id"] == ids[0]][-1]
     assert last_main["data"]["text/plain"].startswith(
         f"nitro_ipy panel: hits {session.value('nitro_ipy.cache_stats().hits')} | misses {stats[1] + 3} | "
         f"entries {stats[2] + 3} | poisoned 4 | latest compile: eval [forward, loss] in "
     )
     last_latest = [u for u in updates if u["transient"]["display_id"] == ids[1]][-1]
-    assert last_latest["data"]["text/plain"].endswith("(GraphConst `hidden`: 4 -> 5, and 2 argument changes that follow)")
-    assert "hidden</code>: 4 -&gt; 5, and 2 argument changes that follow</div>" in last_latest["data"]["text/html"]
-    assert "shape" not in last_latest["data"]["text/html"]
+    assert last_latest["data"]["text/plain"].endswith("(GraphConst `hidden`: 4 -> 5, and 2 argument shapes with it)")
+    html = last_latest["data"]["text/html"]
+    assert "hidden</code>: 4 -&gt; 5, and 2 argument shapes with it<details class='nitro-more'" in html
+    assert "shape:" not in html.split("<details class='nitro-more'")[0]  # the shapes: one click away
+    assert html.split("<details class='nitro-more'")[1].count("shape: [") == 2
     assert _widget_opens(messages) == {}
 
 

@@ -63,11 +63,12 @@ def test_acceptance_check(executed):
     cell = _cell(executed, "nitro_ipy.cache_reset(); n = Nitro(e")
     out = _text(cell)
     assert COMPILED.findall(out) == ["grad", "opt", "eval"]
-    # One progress display for the call, ending as its lines: the eval compile and the epoch line.
+    assert "nitro_ipy:" not in _stream(cell)  # every line is the reporter's: none is raw text
+    # One progress display for the call, ending as its lines: the compiles and the epoch line.
     (progress,) = [d for d in _displays(cell) if "nitro-progress" in d.get("text/html", "")]
     lines = progress["text/plain"].splitlines()
-    assert [line.split()[1] for line in lines] == ["compiled", "epoch"]
-    assert lines[1].startswith("nitro_ipy: epoch 1 | loss ") and " | valid_mae " in lines[1]
+    assert [line.split()[1] for line in lines] == ["compiled", "compiled", "compiled", "epoch"]
+    assert lines[3].startswith("nitro_ipy: epoch 1 | loss ") and " | valid_mae " in lines[3]
     assert "CacheStats(hits=21, misses=3, entries=3)\nmisses == entries: True\n" in out
 
 

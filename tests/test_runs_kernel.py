@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from _cells import TINY_EXPERIMENT
-from test_kernel import Kernel, _of, _stream
+from test_kernel import Kernel, _of, _said, _stream
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository's tools/ (not installed with the package)
@@ -87,9 +87,11 @@ def test_interrupt_shows_one_line_and_stops_the_queued_cells(kernel):
                 break
     kernel.km.interrupt_kernel()
     messages = _until_idle(c, train)
+    # Without the extension (no rich output), the stop is said once: as the error's one line.
     (error,) = [m["content"] for m in _of(messages, "error")]
     assert error["ename"] == "TrainingInterrupted"
     (line,) = error["traceback"]  # one line, no traceback into nitro_ipy
+    assert "training interrupted" not in _said(messages)
     # The interrupt lands in an epoch's steps or in its validation (3 steps an epoch, then validation).
     found = re.fullmatch(r"training interrupted at epoch (\d+), (?:step (\d+)/3|(validating)); the handle is usable",
                          line)
@@ -130,7 +132,7 @@ def test_a_background_run_leaves_the_kernel_free_and_stops_from_a_button(kernel)
     kernel.send_comm(button, {"method": "custom", "content": {"event": "click"}})
     out = kernel.run("rows = run.wait(timeout=60)\n"
                      "print(run.status, len(rows) == n.epoch == len(n.history), 0 <= n.step - 3 * n.epoch < 3)\n")
-    lines = _stream(out).splitlines()
+    lines = _said(out).splitlines()
     assert [line.split(" in ")[0] for line in lines[:3]] == [
         "nitro_ipy: compiled grad [forward, loss]", "nitro_ipy: compiled opt [optimizer]",
         "nitro_ipy: compiled eval [forward, loss]"]

@@ -1,10 +1,14 @@
-"""Every message nitro_ipy says, and where it goes: plain text lines by default, rich output once the
-extension is loaded.
+"""Every message nitro_ipy says, how it looks, and where it goes: plain text lines by default, rich
+output once the extension is loaded.
 
-A message is a `Message(kind, text, data)`: `kind` is a `Kind`, `data` the facts the text was built
-from (front ends key on the kind and read the data, never parse the text). The core calls
-`emit(kind, **data)`; the text comes from that kind's builder below, so each message is composed in one
-place. Front ends install a sink (`set_sink`).
+One reporter, two front ends (as tqdm's): a message is a `Message(kind, text, data, more)`: `kind` is a
+`Kind`, `data` the facts the text was built from (front ends key on the kind and read the data, never
+parse the text), `more` the long lists the text sums up (`Fold`: "and 6 argument shapes with it"), each
+one click away in HTML. The core calls `emit(kind, **data)`; the text comes from that kind's builder
+below, and its look (a quiet line, or a box in a tone with a title: `LOOKS`) from the table below, so
+every message of one kind is composed and drawn the same way, by whichever thread emits it. The text
+front end prints `text`; the notebook one (`_html.message_html`, shown by `_notebook._widgets`) draws
+the same text in the kind's look. Front ends install a sink (`set_sink`).
 """
 
 import contextlib
@@ -31,15 +35,86 @@ class Kind(str, enum.Enum):
     STORE_OFF = "store-off"  # the program store's directory was refused: text
     RESUMED = "resumed"  # a handle resumed from a checkpoint: path, step, epoch, notes (changed Device/Host, hooks)
     MIXED_CODE = "mixed-code"  # a background run compiled a program after its code moved: program, names, others
+    INTERRUPTED = "interrupted"  # a train() call stopped early: where (`epoch 4, step 422/427`), reason
 
     def __str__(self):
         return self.value
+
+
+class Fold(NamedTuple):
+    """A list a message's text sums up ("and 4 more"): `label` names it, `items` hold it whole. HTML shows
+    it in a `<details>` under the text; `%nitro_stats --why` lists the explanations' ones in text."""
+
+    label: str
+    items: tuple
 
 
 class Message(NamedTuple):
     kind: Kind
     text: str
     data: dict
+    more: tuple = ()  # `Fold`s: the full lists behind the text's summaries
+
+
+# How many names a message lists before it sums the rest up ("and 4 more").
+FEW = 3
+
+
+def some(names, few: int = FEW) -> str:
+    """`a, b, c and 4 more`: the first `few` of `names`, the rest counted."""
+    names = list(names)
+    if len(names) <= few + 1:  # "and 1 more" saves nothing over the name itself
+        return ", ".join(names)
+    return f"{', '.join(names[:few])} and {len(names) - few} more"
+
+
+def _fold(label: str, names, few: int = FEW) -> tuple:
+    names = tuple(names)
+    return (Fold(label, names),) if len(names) > few + 1 else ()
+
+
+class Explanation(str):
+    """Why a program compiled, next to the most similar earlier one (`_compiler._explain`): the full text
+    (a `str`, every moved component's line joined by "; ", old -> new), and its two parts: `causes`,
+    what moved (a GraphConst field, a hook, an option, edited code), and `follows`, the argument changes
+    that moved with them (the shapes of the parameters a GraphConst `hidden` sizes)."""
+
+    causes: tuple
+    follows: tuple
+
+    def __new__(cls, causes=(), follows=()):
+        self = super().__new__(cls, "; ".join((*causes, *follows)))
+        self.causes, self.follows = tuple(causes), tuple(follows)
+        return self
+
+    def __getnewargs__(self):
+        return self.causes, self.follows
+
+    def summary(self) -> str:
+        """The causes, with the argument changes that follow from them counted: `GraphConst `hidden`:
+        32 -> 8192, and 6 argument shapes with it`. With no cause, the argument changes are the cause:
+        the first few, the rest counted."""
+        causes, follows = self.causes, self.follows
+        if not causes:
+            return "; ".join(follows) if len(follows) <= FEW + 1 else (
+                "; ".join(follows[:FEW]) + f"; and {_plural(len(follows) - FEW, 'more argument change')}")
+        text = "; ".join(causes) if len(causes) <= FEW + 1 else (
+            "; ".join(causes[:FEW]) + f"; and {len(causes) - FEW} more")
+        if follows:
+            what = "argument shape" if all(" shape: " in f for f in follows) else "argument change"
+            text += f", and {_plural(len(follows), what)} with {'it' if len(causes) == 1 else 'them'}"
+        return text
+
+    def folded(self) -> tuple:
+        """The `Fold`s behind `summary()`: what it counted instead of listing."""
+        if self.summary() == str(self):
+            return ()
+        return (Fold(f"all {_plural(len(self.causes) + len(self.follows), 'change')}", (*self.causes, *self.follows)),)
+
+
+def why_summary(why) -> str:
+    """A compile's reason as its line says it: an `Explanation`'s summary, any other text as it is."""
+    return why.summary() if isinstance(why, Explanation) else (why or "")
 
 
 def merge_names(entries) -> tuple:
@@ -65,7 +140,7 @@ BESIDE_TRAINING = "compiled in the background as training started"  # validation
 
 
 def _compile_text(entry, ahead: str = "") -> str:
-    why = f" ({entry.why})" if entry.why else ""
+    why = f" ({why_summary(entry.why)})" if entry.why else ""
     if ahead:
         why = f"{why}, {ahead}" if why else f" ({ahead})"
     hooks = ", ".join(entry.hook_names)
@@ -121,7 +196,7 @@ def _large_constant_text(program: str, nbytes: int, shape: tuple, dtype: str, or
 def _stale_cache_text(count: int, names: tuple, kinds: tuple) -> str:
     return (
         f"nitro_ipy: {_plural(count, 'cached program')} ({', '.join(sorted(set(kinds)))}) poisoned; "
-        f"redefined: {', '.join(names)}. Handles built from now on recompile against the current code."
+        f"redefined: {some(names)}. Handles built from now on recompile against the current code."
     )
 
 
@@ -149,7 +224,7 @@ def _stale_handle_text(names: tuple, kinds: tuple, handle=None, schedules: tuple
         )
     also = f"; its {', '.join(schedules)} was redefined too" if schedules else ""
     return (
-        f"! this handle's compiled programs had dependency methods redefined: {', '.join(names)} "
+        f"! this handle's compiled programs had dependency methods redefined: {some(names)} "
         f"({', '.join(sorted(set(kinds)))}){also}. It keeps running the programs it was built with; to "
         f"use the current code, rebuild it: `{name} = {name}.rebuild()`"
     )
@@ -157,7 +232,7 @@ def _stale_handle_text(names: tuple, kinds: tuple, handle=None, schedules: tuple
 
 def _disk_edit_text(names: tuple) -> str:
     return (
-        f"nitro_ipy: edited on disk, not loaded yet: {', '.join(names)}. The running code is unchanged; "
+        f"nitro_ipy: edited on disk, not loaded yet: {some(names)}. The running code is unchanged; "
         f"`importlib.reload` the module (or use `%autoreload 2`) to pick the edit up."
     )
 
@@ -170,7 +245,7 @@ def _recompile_loop_text(program: str, why: str, compiles: int = 0, calls: int =
             f"and pass values that vary per call as arrays rather than as static arguments."
         )
     return (
-        f"nitro_ipy: recompile loop: the `{program}` program compiled again after step 1 ({why}). "
+        f"nitro_ipy: recompile loop: the `{program}` program compiled again after step 1 ({why_summary(why)}). "
         f"Something in its key moves every step; every step pays a compile. Usual causes: a GraphConst "
         f"field rebuilt with a new value, an optimizer state whose shape or dtype changes, batch shapes "
         f"that vary."
@@ -191,10 +266,16 @@ def _epoch_text(record: dict) -> str:
 
 def _mixed_code_text(program: str, names: tuple, others: tuple) -> str:
     return (
-        f"nitro_ipy: this run compiled its `{program}` program after {', '.join(names)} changed: `{program}` "
+        f"nitro_ipy: this run compiled its `{program}` program after {some(names)} changed: `{program}` "
         f"runs the new code, {', '.join(f'`{o}`' for o in others)} the code the run started with. To train "
         f"and validate one version: `run.stop(); run.wait(); n = n.rebuild()`, then train again."
     )
+
+
+def _interrupted_text(where: str, reason: str | None = None) -> str:
+    if reason:
+        return f"training stopped at {where}: {reason}; the handle is usable"
+    return f"training interrupted at {where}; the handle is usable"
 
 
 TEXT: dict[Kind, Callable[..., str]] = {
@@ -210,16 +291,69 @@ TEXT: dict[Kind, Callable[..., str]] = {
     Kind.STORE_OFF: _store_off_text,
     Kind.RESUMED: _resumed_text,
     Kind.MIXED_CODE: _mixed_code_text,
+    Kind.INTERRUPTED: _interrupted_text,
+}
+
+
+def _folds(kind: Kind, data: dict) -> tuple:
+    """The full lists a kind's text sums up."""
+    if kind == Kind.COMPILE:
+        why = data["entry"].why
+        return why.folded() if isinstance(why, Explanation) else ()
+    if kind == Kind.RECOMPILE_LOOP:
+        why = data.get("why")
+        return why.folded() if isinstance(why, Explanation) else ()
+    names = data.get("names") or ()
+    return _fold(f"all {len(names)} names", names)
+
+
+class Look(NamedTuple):
+    """How a kind of message is drawn in a notebook: a quiet `line` (monospace, muted: what a log holds),
+    or a `box` in a `tone` (info, warning, error, success) with an optional title, for what asks the
+    reader to act or know. In text it is its line either way."""
+
+    box: bool
+    tone: str = "plain"
+    title: Callable[[dict], str] | None = None
+
+
+_LINE = Look(False)
+LOOKS: dict[Kind, Look] = {
+    Kind.COMPILE: _LINE,
+    Kind.EPOCH: _LINE,
+    Kind.RESUMED: _LINE,
+    Kind.STORE_REFUSED: _LINE,
+    Kind.STORE_OFF: Look(True, "info"),
+    Kind.STORE_FALLBACK: Look(True, "info"),
+    Kind.STALE_CACHE: Look(True, "info", lambda d: f"Edit seen: {_plural(d['count'], 'cached program')} poisoned"),
+    Kind.STALE_HANDLE: Look(True, "warning", lambda d: "This handle runs code compiled before your edit"),
+    Kind.DISK_EDIT: Look(True, "warning", lambda d: "Edited on disk, not loaded yet"),
+    Kind.RECOMPILE_LOOP: Look(True, "warning", lambda d: f"Recompile loop in the `{d['program']}` program"),
+    Kind.LARGE_CONSTANT: Look(True, "warning", lambda d: f"A large constant in the `{d['program']}` program"),
+    Kind.MIXED_CODE: Look(True, "warning", lambda d: f"Mixed code in the `{d['program']}` program"),
+    Kind.INTERRUPTED: Look(True, "warning"),
 }
 
 
 def message(kind: Kind, **data) -> Message:
     """The message of `kind` about `data`, its text composed by the kind's builder."""
     kind = Kind(kind)
-    return Message(kind, TEXT[kind](**data), data)
+    return Message(kind, TEXT[kind](**data), data, _folds(kind, data))
+
+
+# While a terminal's progress bar is drawn (`_progress.TextFront`), lines go through it (tqdm's `write`),
+# so a line said mid-epoch lands above the bar instead of through it.
+bar_writer: Callable[[str], None] | None = None
 
 
 def print_sink(msg: Message) -> None:
+    """The text front end: the message's line on stdout (above a terminal's progress bar, if one is drawn)."""
+    writer = bar_writer
+    if writer is not None:
+        try:
+            return writer(msg.text)
+        except Exception:  # noqa: BLE001 - a closed bar: print as usual
+            pass
     print(msg.text, file=sys.stdout, flush=True)
 
 

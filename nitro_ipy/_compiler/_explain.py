@@ -2,29 +2,36 @@
 
 One differ per key component (hooks, GraphConst fields, arguments, options), chained
 as JAX's `diff_tracing_cache_keys` chains its own: each returns the lines it has to say, none when its
-component did not move. An explanation is composed of the lines of every differ that spoke.
+component did not move. An explanation is composed of the lines of every differ that spoke: the
+hooks', GraphConst fields' and options' lines are its causes, the arguments' lines what moved with them
+(`_report.Explanation`, whose summary counts those instead of listing them).
 """
 
 from typing import Iterable
 
+from .._base._report import Explanation
+
 from ._cache import ArgsKey
 
 
-def explain_miss(key, info: dict, candidates: Iterable) -> str | None:
+
+def explain_miss(key, info: dict, candidates: Iterable) -> Explanation | None:
     """Why `key` missed, next to the most similar of `candidates` (entries, live or poisoned) of the same
     kind and owner: `"GraphConst `hidden`: 16 -> 8; argument `params['w1']` shape: [4, 16] -> [4, 8]"`,
-    or "recompiling against edited code: ..." when only an edit separates them; None with no candidate."""
+    or "recompiling against edited code: ..." when only an edit separates them; None with no candidate.
+    An `Explanation`: the text, with the causes apart from the argument changes that follow them."""
     similar = [e for e in candidates if e.key.kind == key.kind and e.key.owner == key.owner]
     if not similar:
         return None
     best = min(similar, key=lambda e: len(diff_keys(e.key, key, e.info, info)))
-    lines = diff_keys(best.key, key, best.info, info)
-    if best.poisoned and all(line.endswith(SAME_REPR) for line in lines):
+    causes = [line for differ in _CAUSES for line in differ(best.key, key, best.info, info)]
+    follows = _diff_args(best.key, key, best.info, info)
+    if best.poisoned and all(line.endswith(SAME_REPR) for line in causes + follows):
         # An edit moved it: with no other change, or through a GraphConst value that names the edited
         # code (an NNX GraphDef names the module's classes), whose repr does not show what moved.
         edited = "edited code: " + ", ".join(best.drifted)
-        return "; ".join(lines + [edited]) if lines else "recompiling against " + edited
-    return "; ".join(lines) if lines else None
+        return Explanation(causes + [edited] if causes else ["recompiling against " + edited])
+    return Explanation(causes, follows) if causes or follows else None
 
 
 SAME_REPR = " (same repr)"  # a GraphConst value whose content moved, not its repr
@@ -94,6 +101,7 @@ def _diff_options(old, new, _old_info, _new_info) -> list[str]:
 
 
 _DIFFERS = (_diff_hooks, _diff_graphconst, _diff_args, _diff_options)
+_CAUSES = (_diff_hooks, _diff_graphconst, _diff_options)  # what moved; `_diff_args`: what moved with it
 
 
 def _short(s: str, n: int = 80) -> str:

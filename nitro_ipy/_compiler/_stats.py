@@ -9,6 +9,7 @@ import re
 from typing import NamedTuple
 
 from .._base import _html
+from .._base._report import some, why_summary
 from . import _cache, _store
 
 _SHAPES_TEXT_WIDTH = 56  # a terminal table stays readable; the HTML table shows shapes in full
@@ -26,9 +27,10 @@ class StatsRow(NamedTuple):
     compile_s: float
     hits: int
     state: str  # "live", or "poisoned (<what drifted>)"
-    why: str  # why it was compiled next to a similar entry, or ""
+    why: str  # why it was compiled next to a similar entry (an `_report.Explanation`), or ""
     inputs: str = ""  # the inputs summarised by human names (`summarise_inputs`)
     untracked: tuple = ()  # what it read that has no content fingerprint: edits inside it are invisible
+    drifted: tuple = ()  # what an edit moved under it, when poisoned
 
 
 class StatsTable:
@@ -37,7 +39,8 @@ class StatsTable:
     Displays as an HTML table in a notebook (`_repr_html_`) and as aligned text elsewhere (`repr`).
     """
 
-    def __init__(self, stats: _cache.CacheStats, rows: list, untracked: list, poisoned: int, store=None):
+    def __init__(self, stats: _cache.CacheStats, rows: list, untracked: list, poisoned: int, store=None,
+                 why: bool = False):
         """**Arguments:**
 
         - `stats`: the cache's counters (hits, misses, entries).
@@ -45,7 +48,9 @@ class StatsTable:
         - `untracked`: the values no closure tracks, as text, each once.
         - `poisoned`: how many entries are poisoned.
         - `store`: the program store's `StoreStats` (directory, count, size), or None.
+        - `why`: list every change behind each compile (`%nitro_stats --why`), not their summary.
         """
+        self.why = why
         self.store = store
         self.stats = stats
         self.rows = rows
@@ -71,7 +76,8 @@ class StatsTable:
                 lines.append("  ".join(
                     c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
                 ).rstrip())
-            lines.extend(f"  why {r.kind} compiled: {r.why}" for r in self.rows if r.why)
+            for r in self.rows:
+                lines.extend(self._why_lines(r))
             # the flat layout's parameter groups (an optimizer program's gradients), with their sizes
             lines.extend(f"  {r.kind} parameter groups: {m.group(1)}" for r in self.rows
                          if (m := re.search(r"gradients [^;]* in (\d+ groups \([^)]*\))", r.inputs or "")))
@@ -83,6 +89,22 @@ class StatsTable:
         if self.store is not None:
             lines.append(repr(self.store))
         return "\n".join(lines)
+
+    def _why_lines(self, r: StatsRow) -> list[str]:
+        """A row's reason: summed up, or with `why` every change (and every edited name) on its own line."""
+        out = []
+        if r.why:
+            summary = why_summary(r.why)
+            changes = [*getattr(r.why, "causes", ()), *getattr(r.why, "follows", ())] or [str(r.why)]
+            if self.why and summary != str(r.why):
+                out.append(f"  why {r.kind} compiled: {summary}:")
+                out.extend(f"    {c}" for c in changes)
+            else:
+                out.append(f"  why {r.kind} compiled: {summary}")
+        if self.why and some(r.drifted) != ", ".join(r.drifted):
+            out.append(f"  what poisoned {r.kind}:")
+            out.extend(f"    {name}" for name in r.drifted)
+        return out
 
     def _repr_html_(self) -> str:
         """Reads at 800 px: the figures first, then one row per program with its inputs summarised by
@@ -107,8 +129,11 @@ class StatsTable:
                 inputs = esc(r.inputs or r.short_shapes)
                 full = (f"<details><summary>{inputs}</summary><code style='white-space: pre-wrap'>"
                         f"{esc(r.shapes)}</code></details>")
+                more = h.why_html(r.why)
+                if self.why:
+                    more = more.replace("<details ", "<details open ")
                 why = (f"<tr><td></td><td colspan='4' {cell[:-1]}; opacity: 0.85'>why {esc(r.kind)} compiled: "
-                       f"{h.code_html(h.summarise_why(r.why))}</td></tr>" if r.why else "")
+                       f"{more}</td></tr>" if r.why else "")
                 out.append(
                     f"<tr style='border-top: 1px solid var(--jp-border-color2, rgba(128,128,128,0.3))'>"
                     f"<td {cell}>{h.chip(r.state, tone)}</td><td {cell[:-1]}; white-space: nowrap'><code>"
@@ -199,11 +224,12 @@ def _row_state(entry) -> str:
     if not entry.poisoned:
         state = "live, from disk" if entry.origin == "disk" else "live"
         return f"{state}, {ahead}" if ahead else state
-    return f"poisoned ({', '.join(entry.drifted)})" if entry.drifted else "poisoned"
+    return f"poisoned ({some(entry.drifted)})" if entry.drifted else "poisoned"
 
 
-def stats_table() -> StatsTable:
-    """The compile cache as a table: what `%nitro_stats` shows, usable without IPython.
+def stats_table(why: bool = False) -> StatsTable:
+    """The compile cache as a table: what `%nitro_stats` shows, usable without IPython. `why=True`
+    (`%nitro_stats --why`) lists every change behind each compile instead of their summary.
 
     Re-resolves dependency closures first (`_cache.ensure_fresh()`, a no-op when nothing was redefined),
     so a program compiled against code edited since shows as poisoned rather than live.
@@ -215,11 +241,12 @@ def stats_table() -> StatsTable:
     for e in entries:
         mine = tuple(str(item) for item in getattr(e.closure, "untracked", None) or ())
         rows.append(StatsRow(e.kind, ", ".join(e.hook_names), e.shapes(), compact_shapes(e), e.trace_s,
-                             e.compile_s, e.hits, _row_state(e), e.why or "", summarise_inputs(e), mine))
+                             e.compile_s, e.hits, _row_state(e), e.why or "", summarise_inputs(e), mine,
+                             tuple(e.drifted) if e.poisoned else ()))
         for item in mine:
             text = str(item)
             if text not in untracked:
                 untracked.append(text)
     store = _store.store_stats()  # said only when the store is on: off is the quiet default of scripts
     return StatsTable(stats, rows, untracked, len(_cache.poisoned_entries()),
-                      store if store.path is not None else None)
+                      store if store.path is not None else None, why)

@@ -28,7 +28,7 @@ from .._training import _ahead
 from . import _watch
 
 CELL_EVENTS = ("pre_run_cell", "post_run_cell")  # each is also the name of the method registered for it
-STATS_OPTIONS = ("--reset",)
+STATS_OPTIONS = ("--reset", "--why")
 NO_WIDGETS = (
     "nitro_ipy: ipywidgets is not installed, so messages stay plain text and `%nitro_panel` is unavailable "
     "(`pip install ipywidgets` for the rich versions)."
@@ -116,6 +116,7 @@ class NitroMagics(Magics):
             if widgets is not None:
                 self.sink = widgets.RichSink(self.shell, _report.sink())
                 self.previous_sink = _report.set_sink(self.sink)
+                self.sink.catch_interrupts()  # a stop is said once: the train() display's line
             elif not NitroMagics.hinted:
                 NitroMagics.hinted = True
                 print(NO_WIDGETS)
@@ -150,6 +151,7 @@ class NitroMagics(Magics):
             _ahead.after_edit()  # the replacements of what this cell's edit poisoned start compiling
             self.refresh_watch()
             if self.sink is not None:
+                self.sink.drain()  # what a background thread said during the cell, drawn in it
                 self.sink.retire()
             if self.panel is not None:
                 self.panel.flush()
@@ -174,16 +176,19 @@ class NitroMagics(Magics):
     # -- magics
     @magic_arguments()
     @argument("--reset", action="store_true", help="empty the compile cache and zero its counters")
+    @argument("--why", action="store_true", help="each program's full reason to compile, every change listed")
     @line_magic
     def nitro_stats(self, line=""):
         """Show the compile cache: hits, misses, entries, and one row per compiled program.
 
-        `%nitro_stats --reset` empties the cache instead (the escape hatch for an edit nothing tracks).
+        `%nitro_stats --why` lists every change behind each program's compile (the compile lines sum up
+        the argument shapes a GraphConst field moved); `%nitro_stats --reset` empties the cache instead
+        (the escape hatch for an edit nothing tracks).
         """
         args = _parse(self.nitro_stats, line, "nitro_stats", STATS_OPTIONS)
         if args.reset:
             return _reset()
-        return stats_table()
+        return stats_table(why=args.why)
 
     @magic_arguments()
     @argument("--disk", action="store_true", help="also delete every program stored on disk")

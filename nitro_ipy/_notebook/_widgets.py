@@ -27,28 +27,15 @@ from .._base import _events, _html, _report
 from .._base._report import Kind
 from .._compiler import _cache
 from .._training import _progress
+from .._training._runs import TrainingInterrupted
 
 try:  # the server extension's marker (a package apart: the Jupyter server must not import JAX)
     from nitro_ipy_server import MARK
 except ImportError:  # nitro_ipy on a path without its sibling: the same key, said here
     MARK = "nitro_ipy"
 
-# The message kinds shown as boxes, their tone (colour), and their title line. Others stay text lines.
-STYLES = {
-    Kind.STALE_CACHE: "info",  # informational: the poisoning is what makes the next handle see the edit
-    Kind.STALE_HANDLE: "warning",  # the running handle holds a poisoned program: rebuild it
-    Kind.DISK_EDIT: "warning",
-    Kind.RECOMPILE_LOOP: "warning",
-}
-TITLES = {
-    Kind.STALE_CACHE: lambda d: f"Edit seen: {d['count']} cached program{'s' if d['count'] != 1 else ''} "
-                                f"poisoned",
-    Kind.STALE_HANDLE: lambda d: "This handle runs code compiled before your edit",
-    Kind.DISK_EDIT: lambda d: "Edited on disk, not loaded yet",
-    Kind.RECOMPILE_LOOP: lambda d: f"Recompile loop in the `{d['program']}` program",
-}
-# Plain lines absorbed into a running progress display (said above its progress line) instead of printed.
-_LINES = frozenset({Kind.COMPILE, Kind.EPOCH, Kind.LARGE_CONSTANT})
+# How each kind looks is the reporter's (`_report.LOOKS`, drawn by `_html.message_html`); this module
+# decides only where an output goes.
 # The kinds after which the panel's figures may have moved (a disk edit changes none of them).
 _REFRESH_ON = frozenset({Kind.COMPILE, Kind.EPOCH, Kind.RECOMPILE_LOOP, Kind.STALE_CACHE, Kind.STALE_HANDLE})
 
@@ -61,7 +48,6 @@ RETIRED_MOVED_ON = "not clicked before the next cell ran; to use the current cod
 SAVED_REBUILD = "not clicked when the notebook was saved; to use the current code: `{name} = {name}.rebuild()`"
 SAVED_STOP = ("live when the notebook was saved: a background run{what} was training; the panel above "
               "shows how far it had got, its Stop button stops it only in the kernel that ran it")
-_PREFIXES = ("nitro_ipy: ", "! ")
 
 
 class Rich:
@@ -91,21 +77,7 @@ def show(obj, handle=None):
     return handle
 
 
-def _details(text: str) -> str:
-    for prefix in _PREFIXES:
-        if text.startswith(prefix):
-            return text[len(prefix):]
-    return text
-
-
-def message_html(msg: _report.Message) -> str:
-    """A message as standalone HTML: a box in its kind's tone, a title line, then the details."""
-    title = TITLES.get(msg.kind)
-    tone = STYLES.get(msg.kind, "info")
-    details = _details(msg.text)
-    if title is None:
-        return _html.box(_html.code_html(details), tone, f"nitro-message nitro-{msg.kind}")
-    return _html.titled(title(msg.data), details[:1].upper() + details[1:], tone, f"nitro-message nitro-{msg.kind}")
+message_html = _html.message_html  # one look per kind, whoever shows it
 
 
 def message_output(msg: _report.Message) -> Rich:
@@ -233,17 +205,58 @@ class RebuildButton(ActionButton):
 
 
 # ------------------------------------------------------------------------------------------------ progress
-class NotebookFront:
-    """The notebook front end of `_progress.Progress`: one HTML display per `train()` call, updated at
-    sync points, holding the lines said while it runs (compiles, epochs) above the progress line. Its
-    final form is those lines alone: what a terminal printed."""
+def _kept(msg: _report.Message) -> _report.Message:
+    """`msg` as an output keeps it to redraw: its plain facts only. A compile entry or a handle in its
+    data would keep a program (and a poisoned one could then be revived) or a model alive for as long as
+    the notebook shows the line."""
+    plain = {k: v for k, v in msg.data.items() if isinstance(v, (str, int, float, bool, tuple))}
+    return msg._replace(data=plain)
+
+
+class Block:
+    """One output of a cell holding the messages said in it, in order, each drawn in its kind's look
+    (`_html.messages_html`): quiet lines in one block, boxes between. Shown on its first message,
+    updated in place by each next one; its `text/plain` is what a terminal printed."""
+
+    def __init__(self, cell=None):
+        self.cell = cell  # the cell it belongs to (the shell's execution count)
+        self.messages: list = []
+        self.handle = None
+        self.updates = 0  # display updates sent: tests count them
+
+    @property
+    def lines(self) -> list[str]:
+        return [m.text for m in self.messages]
+
+    def add(self, msg: _report.Message) -> None:
+        self.messages.append(_kept(msg))
+        self.draw()
+
+    def draw(self) -> None:
+        if self.handle is None:
+            self.handle = show(self.output())
+        else:
+            self.updates += 1
+            show(self.output(), self.handle)
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+    def output(self) -> Rich:
+        return Rich(f"<div class='nitro-block'>{_html.messages_html(self.messages)}</div>", self.text())
+
+
+class NotebookFront(Block):
+    """The notebook front end of `_progress.Progress`: one output per `train()` call holding the messages
+    said while it runs (compiles, epochs, warnings: from its first step's compile lines on) above the
+    progress line, updated at sync points. Its final form is those messages, and the line saying where
+    it stopped when it stopped early: what a terminal printed."""
 
     def __init__(self, min_interval: float = 0.25):
-        self.lines: list[str] = []
-        self.handle = None
+        super().__init__()
         self.progress = None
         self.min_interval = min_interval
-        self.updates = 0  # display updates sent: tests count them (never one per step)
+        self.stop_text = None  # the line a stop said, once the call ended with one
         self._last = 0.0
 
     # -- `_progress` front-end interface
@@ -264,93 +277,182 @@ class NotebookFront:
             show(self.output(), self.handle)
 
     def end_epoch(self, p):
-        if p.epoch < p.epochs:  # after the last one, `close` draws the final form
+        if p.epoch < p.last:  # after the last one, `close` draws the final form
             self.update(p, force=True)
 
     def close(self, p):
         self.progress = p
-        if self.handle is None and p.status != "done":  # ended before its first step: say so
+        if self.handle is None and (p.status != "done" or self.messages):  # ended before its first step
             self.handle = show(self.output())
         else:
             self.update(p, force=True)
+        # Its final form is drawn: it lets go of the call's progress (and through it the handle).
+        self.stop_text = p.stop_message.text if p.stop_message is not None else None
+        self.progress = None
 
-    def absorb(self, line: str) -> bool:
-        """Take a plain line said while the display is open; False when it is not (print it)."""
-        if self.handle is None or self.progress is None or self.progress.status != "running":
+    def absorb(self, msg: _report.Message) -> bool:
+        """Take a message said while its `train()` call runs (shown at once when it is the first); False
+        once the call has ended."""
+        if self.progress is None or self.progress.status != "running":
             return False
-        self.lines.append(line)
+        self.messages.append(_kept(msg))
+        if self.handle is None:  # its first step's compile lines: the display opens with them
+            self.handle = show(self.output())
+            self._last = time.monotonic()
+        elif msg.kind not in _QUIET:  # a warning is drawn at once; a quiet line at the next sync point
+            self.update(force=True)
         return True
+
+    def bind(self, p) -> None:
+        """The `train()` call's progress, from its start (`_progress.start`): lines said before its
+        first step is done join this display."""
+        self.progress = p
 
     # -- rendering
     def text(self) -> str:
         p = self.progress
         lines = list(self.lines)
-        if p is not None and p.status == "running":
+        if p is not None and p.status == "running" and p.epoch:
             lines.append(f"nitro_ipy: {p.line()}")
-        elif p is not None and p.status != "done":
+        elif p is not None and p.status not in ("running", "done"):
             lines.append(f"nitro_ipy: {p.status}")
         return "\n".join(lines)
 
     def output(self) -> Rich:
         p = self.progress
-        body = _html.lines_html(self.lines)
-        if p is not None and p.status == "running":
-            frac = (p.epoch - 1 + (p.done / p.steps if p.steps else 0)) / max(p.epochs, 1)
+        body = _html.messages_html(self.messages)
+        if p is not None and p.status == "running" and p.epoch:
+            frac = p.fraction()
             accent = "var(--jp-brand-color1, #1976d2)"
             bar = (f"<div style='height: 4px; background: rgba(128,128,128,0.25); border-radius: 2px; "
                    f"margin-top: 4px'><div style='height: 4px; width: {100 * frac:.1f}%; background: {accent}; "
                    f"border-radius: 2px'></div></div>")
             body += _html.box(_html.esc(p.line()) + bar, "info", "nitro-progress-running")
-        elif p is not None and p.status != "done":
-            body += _html.box(_html.code_html(p.status), "warning", "nitro-progress-stopped")
-        return Rich(f"<div class='nitro-progress'>{body}</div>", self.text())
+        elif p is not None and p.status not in ("running", "done"):
+            stop = p.stop_message or _report.Message(Kind.INTERRUPTED, p.status, {})
+            body += _html.message_html(stop).replace(f"nitro-{stop.kind}'", f"nitro-{stop.kind} nitro-progress-stopped'", 1)
+        return Rich(f"<div class='nitro-progress nitro-block'>{body}</div>", self.text())
+
+
+_QUIET = frozenset(k for k, look in _report.LOOKS.items() if not look.box)
 
 
 # ------------------------------------------------------------------------------------------------ sink
 class RichSink:
-    """The `_report` sink in a widget-capable kernel: messages of a kind in `STYLES` become HTML boxes (a
-    stale-handle one with its **Rebuild handle** button), compile and epoch lines join the running
-    progress display or go to the previous sink as text. It also tells the live panel, when one is shown,
-    that something happened.
+    """The `_report` sink in a widget-capable kernel: every message is drawn in its kind's look, in the
+    running `train()` call's display or in the cell's block of messages, a stale-handle one with its
+    **Rebuild handle** button. A message emitted off the main thread (a background compile, a worker) is
+    queued and drawn the same way by the main thread: at the next message, after the cell, or on the
+    kernel's event loop. It also tells the live panel, when one is shown, that something happened.
     """
 
     def __init__(self, shell, previous):
         """**Arguments:**
 
         - `shell`: the kernel's shell, whose namespace a **Rebuild handle** button rebinds.
-        - `previous`: the sink that messages shown as text go to.
+        - `previous`: the sink this one replaced (restored when the extension unloads).
         """
         self.shell = shell
         self.previous = previous
         self.panel: "Panel | None" = None
         self.buttons: list[RebuildButton] = []  # shown and not yet clicked or retired
         self.front: NotebookFront | None = None  # the running train() call's display
+        self.block: Block | None = None  # the cell's block of messages (below the last other output)
+        self.pending: list = []  # messages emitted off the main thread, not drawn yet
+        self._lock = threading.Lock()
+        self._scheduled = False
+        self._custom_exc = None  # the shell's custom exception handler before `catch_interrupts`
 
     def progress_front(self):
         """A progress front end for a `train()` call (`_progress.start` asks), or None off the main thread."""
         if threading.current_thread() is not threading.main_thread():
             return None
         self.front = NotebookFront()
+        self.block = None  # what is said after the call goes below its display
         return self.front
 
     def __call__(self, msg: _report.Message) -> None:
         if threading.current_thread() is not threading.main_thread():
-            self.previous(msg)  # never a display off the main thread
+            with self._lock:  # never a display off the main thread: the main thread draws it
+                self.pending.append(msg)
+            self._schedule()
             return
-        if msg.kind in STYLES:
+        self.drain()
+        self._draw(msg)
+
+    def drain(self) -> None:
+        """Draw the messages queued off the main thread, in the order they were emitted."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        with self._lock:
+            pending, self.pending = self.pending, []
+        for msg in pending:
+            self._draw(msg)
+
+    def _schedule(self) -> None:
+        loop = _kernel_loop()
+        with self._lock:
+            if self._scheduled or loop is None:
+                return
+            self._scheduled = True
+
+        def drain():
+            self._scheduled = False
+            try:
+                self.drain()
+            except Exception as err:  # noqa: BLE001 - on the event loop: said, never raised
+                print(f"nitro_ipy: a message could not be shown ({type(err).__name__}: {err})")
+
+        loop.add_callback(drain)
+
+    def _cell(self):
+        return getattr(self.shell, "execution_count", None)
+
+    def _draw(self, msg: _report.Message) -> None:
+        handle = msg.data.get("handle") if msg.kind == Kind.STALE_HANDLE else None
+        if handle is not None:  # a box with its button: outputs of their own
             show(message_output(msg))
-            handle = msg.data.get("handle")
-            if msg.kind == Kind.STALE_HANDLE and handle is not None:
-                button = RebuildButton(handle, self.shell.user_ns)
-                self.buttons = [b for b in self.buttons if b.state == "ready"] + [button]
-                button.show()
-        elif not (msg.kind in _LINES and self.front is not None and self.front.absorb(msg.text)):
-            self.previous(msg)
+            button = RebuildButton(handle, self.shell.user_ns)
+            self.buttons = [b for b in self.buttons if b.state == "ready"] + [button]
+            button.show()
+            self.block = None  # what is said next goes below the button
+        elif self.front is not None and self.front.absorb(msg):
+            self.block = None
+        else:
+            if self.block is None or self.block.cell != self._cell():
+                self.block = Block(self._cell())
+            self.block.add(msg)
         if self.panel is not None:
             try:
                 self.panel.on_message(msg)
             except Exception as err:  # noqa: BLE001 - the panel is a nicety, the message was shown
                 print(f"nitro_ipy: the panel failed to update ({type(err).__name__}: {err})")
+
+    # -- a stop, said once
+    def catch_interrupts(self) -> None:
+        """Show `TrainingInterrupted` raised into a cell as the reporter's line, once: the running
+        `train()` display already says it (the error then adds nothing), else a box says it. The cell still
+        ends in an error (a "Run All" stops there); a shell with another custom handler keeps it."""
+        shell = self.shell
+        if getattr(shell, "custom_exceptions", ()) or not hasattr(shell, "set_custom_exc"):
+            return
+        self._custom_exc = (shell.custom_exceptions, shell.CustomTB)
+        sink = self
+
+        def said_once(shell, etype, value, tb, tb_offset=None):
+            sink.interrupted(value)
+            shell._last_traceback = [str(value)]  # what the kernel's reply carries
+            return [str(value)]
+
+        shell.set_custom_exc((TrainingInterrupted,), said_once)
+
+    def interrupted(self, err) -> None:
+        """Show the stop `err` says, unless the display of the call it stopped said it already."""
+        if self.front is not None and self.front.stop_text == str(err):
+            return
+        msg = getattr(err, "message", None) or _report.Message(Kind.INTERRUPTED, str(err), {})
+        self.block = None if self.front is not None and self.front.handle is not None else self.block
+        self._draw(msg)
 
     def retire(self, moved_on: bool = False) -> None:
         """After each cell: a Rebuild button whose handle no name holds any more (rebuilt by hand, or
@@ -374,8 +476,13 @@ class RichSink:
         self.buttons = [b for b in self.buttons if b.state == "ready"]
 
     def close(self) -> None:
-        """The extension is unloaded: every button still shown ends as its HTML line."""
+        """The extension is unloaded: every button still shown ends as its HTML line; messages queued off
+        the main thread are drawn; the shell's custom exception handler is the one it had."""
         self.retire(moved_on=True)
+        self.drain()
+        if self._custom_exc is not None:
+            self.shell.custom_exceptions, self.shell.CustomTB = self._custom_exc
+            self._custom_exc = None
 
 
 # ------------------------------------------------------------------------------------------------ panel
@@ -578,8 +685,9 @@ class Panel:
         p = _progress.latest()
         if p is None:
             return None
-        return _html.LossChart(p.train_points, p.valid_points, p.first_epoch + p.epochs,
-                               start=p.train_points[0][0] - 1 / (p.steps or 1) if p.train_points else p.first_epoch)
+        # The handle's whole run: its curve and validation points over every train() call, the x axis up
+        # to the epoch the data reached (a `train(100000, background=True)` stopped early ends there).
+        return _html.LossChart(p.train_points, p.valid_points)
 
     def outputs(self) -> tuple:
         """The panel's two outputs now: (figures + chart, latest compile)."""
@@ -604,10 +712,10 @@ class Panel:
             latest_html = _html.box(f"latest compile: {_html.esc(f['latest compile'])}", "plain", "nitro-latest")
         else:
             head = f"latest compile: {e.kind} [{', '.join(e.hook_names)}] in {e.trace_s + e.compile_s:.2f} s"
-            why = _html.summarise_why(e.why) if e.why else "first compile of this program"
+            why = _html.why_html(e.why) if e.why else "first compile of this program"
             latest_html = _html.box(
                 f"<details><summary>{_html.code_html(head)}</summary>"
-                f"<div>why: {_html.code_html(why)}</div>"
+                f"<div>why: {why}</div>"
                 f"<div>trace {e.trace_s:.2f} s, XLA {e.compile_s:.2f} s</div></details>", "plain", "nitro-latest")
         return Rich(main_html, text), Rich(latest_html, f"latest compile: {f['latest compile']}")
 

@@ -429,7 +429,7 @@ class Nitro:
     @in_mesh()  # here, not on `train`: a background run trains in its own thread
     def _train_epochs(self, control, split: dict, fields, steps: int, epochs: int) -> list[dict]:
         # This call's progress report (None with `progress=False`); the loop reads it from the handle.
-        progress = self._progress = _progress.start(self, epochs, steps, quiet=control.quiet)
+        progress = self._progress = _progress.start(self, epochs, steps, quiet=control.quiet, control=control)
         try:
             with _reuse.training():  # no trace-reuse warming while this trains
                 rows = self._epochs(control, split, fields, epochs, progress)

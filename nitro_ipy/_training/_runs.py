@@ -47,15 +47,17 @@ class TrainingInterrupted(KeyboardInterrupt):
 
     Still a `KeyboardInterrupt`, so it aborts a notebook's "Run All" like any interrupt; IPython and
     ipykernel show `_render_traceback_`, one line, instead of a traceback into nitro_ipy.
-    Attributes: `epoch` (1-based, the epoch it was in), `step` and `steps` (optimizer steps into that
-    epoch, and its length), `rows` (the epoch rows this call completed).
+    Attributes: `epoch` (the handle's epoch it was in, 1-based: `n.epoch + 1`), `step` and `steps`
+    (optimizer steps into that epoch, and its length), `rows` (the epoch rows this call completed),
+    `message` (the reporter's line: a notebook shows it once, in the call's display).
     """
 
     __module__ = "nitro_ipy"  # the plain traceback's last line reads `nitro_ipy.TrainingInterrupted: ...`
 
-    def __init__(self, text: str, epoch: int = 0, step: int = 0, steps: int = 0, rows=()):
+    def __init__(self, text: str, epoch: int = 0, step: int = 0, steps: int = 0, rows=(), message=None):
         super().__init__(text)
         self.epoch, self.step, self.steps, self.rows = epoch, step, steps, list(rows)
+        self.message = message
 
     def _render_traceback_(self):
         return [str(self)]
@@ -89,10 +91,20 @@ class RunControl(InterruptGate):
         return self.stop_reason is None
 
     def where(self) -> str:
-        """`epoch 4, step 204/427`, or `epoch 4, validating` once its steps are done."""
+        """`epoch 4, step 204/427`, or `epoch 4, validating` once its steps are done (the handle's epochs)."""
         if self.validating or self.handle.epoch >= self.epoch:  # its steps done and the epoch counted
             return f"epoch {self.epoch}, validating"
         return f"epoch {self.epoch}, step {self.handle.step - self.epoch_start}/{'?' if self.steps is None else self.steps}"
+
+    def stop_message(self, reason: str | None = None) -> _report.Message:
+        """The one line this call's stop says: in its progress display and as `TrainingInterrupted`."""
+        return _report.message(_report.Kind.INTERRUPTED, where=self.where(), reason=reason)
+
+    def interrupted(self) -> "TrainingInterrupted":
+        """The error a Ctrl-C ends the call with, carrying the line its display shows."""
+        msg = self.stop_message()
+        return TrainingInterrupted(msg.text, self.epoch, self.handle.step - self.epoch_start, self.steps,
+                                   self.rows, msg)
 
 
 def foreground(control: RunControl, work):
@@ -105,11 +117,7 @@ def foreground(control: RunControl, work):
     except KeyboardInterrupt:
         if control.stop_reason is not None:
             return list(control.rows)
-        step = control.handle.step - control.epoch_start
-        raise TrainingInterrupted(
-            f"training interrupted at {control.where()}; the handle is usable",
-            control.epoch, step, control.steps, control.rows,
-        ) from None
+        raise control.interrupted() from None
 
 
 _live: "weakref.WeakSet[Run]" = weakref.WeakSet()
@@ -202,11 +210,7 @@ class Run:
             self.stop("interrupted (Ctrl-C in `run.wait()`)")
             self._done.wait()
             self._show_messages()
-            raise TrainingInterrupted(
-                f"training interrupted at {self._control.where()}; the handle is usable",
-                self._control.epoch, self.handle.step - self._control.epoch_start, self._control.steps,
-                self._control.rows,
-            ) from None
+            raise self._control.interrupted() from None
         if finished:
             self._released.wait()  # its worker has let go of it: dropping the run and handle frees them
         else:
