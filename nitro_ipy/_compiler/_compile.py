@@ -158,7 +158,8 @@ def compile_ahead(key, fn, args, *, donate_argnums: tuple = (), info: dict | Non
     drifted = _cache.store_if_current(entry, claimed)
     if drifted:
         return "drifted", None, drifted
-    _save(entry)
+    if generation is None or generation == _cache.generation():  # a reset since (`--disk`) writes nothing
+        _save(entry)
     return "compiled", entry, messages
 
 
