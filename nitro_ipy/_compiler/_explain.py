@@ -10,9 +10,7 @@ hooks', GraphConst fields' and options' lines are its causes, the arguments' lin
 from typing import Iterable
 
 from .._base._report import Explanation
-
 from ._cache import ArgsKey
-
 
 
 def explain_miss(key, info: dict, candidates: Iterable) -> Explanation | None:

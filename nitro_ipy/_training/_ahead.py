@@ -253,13 +253,13 @@ def targets(namespaces=()) -> list:
     bound = [tracked[i] for i in names]
     newest: dict = {}  # experiment class (module.qualname) -> the newest bound handle's birth
     for h in bound:
-        newest[h._binding.owner] = max(newest.get(h._binding.owner, -1), _born.get(h, -1))
+        newest[h._state.binding.owner] = max(newest.get(h._state.binding.owner, -1), _born.get(h, -1))
     out = []
     for h in sorted(bound, key=lambda h: _born.get(h, -1)):
         successor = _successors.get(h)
         if successor is not None and successor() is not None:
             continue  # rebuilt: its rebuild is what the user runs next
-        if _born.get(h, -1) < newest[h._binding.owner]:
+        if _born.get(h, -1) < newest[h._state.binding.owner]:
             continue  # an older handle of the same experiment class
         out.append((h, tuple(sorted(names[id(h)]))))
     return out
@@ -370,8 +370,8 @@ def _plan_handle(handle, names, b, recipes, planned, wanted, dropped, seen) -> l
         if model is None:
             model = rebound_model(handle, b)
         fn = r.spec.build(b, model, handle.accum, r.hook, **r.fields)
-        mine.append(Job(key, fn, args, r.spec, b, mesh=handle._place.mesh,
-                        out_shardings=handle._place.out_shardings(r.spec.kind, args, model),
+        mine.append(Job(key, fn, args, r.spec, b, mesh=handle._state.place.mesh,
+                        out_shardings=handle._state.place.out_shardings(r.spec.kind, args, model),
                         target=target, generation=generation))
     if metrics and eval_key is not None:
         # A device metric's arguments are the evaluation program's outputs, whose shapes an edit can
@@ -405,7 +405,7 @@ def _across_processes(handle) -> bool:
 def prefetch_eval(handle) -> bool:
     """Queue `handle`'s evaluation forward (when it has a `valid` split) to compile in the background
     while its first epoch trains; validation then finds it compiled or waits for the one in flight."""
-    b = handle._binding
+    b = handle._state.binding
     split = b.splits.get("valid")
     if not _enabled or not isinstance(split, dict) or _across_processes(handle):  # a loader: compiled at use
         return False
@@ -414,19 +414,19 @@ def prefetch_eval(handle) -> bool:
     key, args = eval_key(handle, split, inputs, targets)
     if key in _failed or _cache.known(key):
         return False
-    fn = EVAL.build(b, handle._model, handle.accum, None, inputs=inputs, targets=targets)
+    fn = EVAL.build(b, handle._state.model, handle.accum, None, inputs=inputs, targets=targets)
     device_metrics = [name for name, (_, residency) in b.metrics.items() if residency == "device"]
     n, width = split_len(split), handle.batch_size
     lengths = ([width] if n >= width else []) + ([n % width] if n % width else [])  # validation's order
-    requests = [(name, rows, handle._dev, {k: jax.ShapeDtypeStruct((rows,) + split[k].shape[1:], split[k].dtype)
+    requests = [(name, rows, handle._state.dev, {k: jax.ShapeDtypeStruct((rows,) + split[k].shape[1:], split[k].dtype)
                                            for k in b.routes[name].pick(split)})
                 for rows in lengths for name in device_metrics]
     then = _metrics_after(handle, requests) if requests else None
     with _cv:
         if any(j.key == key for j in _queue):
             return False
-        _queue.append(Job(key, fn, args, EVAL, b, _loops, then=then, mesh=handle._place.mesh,
-                          out_shardings=handle._place.out_shardings(EVAL.kind, args, handle._model),
+        _queue.append(Job(key, fn, args, EVAL, b, _loops, then=then, mesh=handle._state.place.mesh,
+                          out_shardings=handle._state.place.out_shardings(EVAL.kind, args, handle._state.model),
                           generation=_cache.generation()))
         _wanted.add(key)
         _start()
@@ -438,15 +438,15 @@ def eval_key(handle, split: dict, inputs, targets) -> tuple:
     """`(key, args)` of the evaluation program `handle._evaluate` resolves for `split`: its arguments'
     shapes, batches padded to the batch width and placed as the handle places them (split along a mesh's
     data axis), without evaluating anything."""
-    width, place = handle.batch_size, handle._place
+    width, place = handle.batch_size, handle._state.place
 
     def batch(names):  # a zero batch of the width, placed, then only its shapes and shardings kept
         zeros = {k: np.zeros((width,) + split[k].shape[1:], split[k].dtype) for k in names}
         return _cache.shapes_of(place.batch(zeros))
 
-    args = _cache.shapes_of((handle._params, handle._model_state, handle._dev)) + (
+    args = _cache.shapes_of((handle._state.params, handle._state.model_state, handle._state.dev)) + (
         batch(inputs), batch(targets), _cache.shapes_of(place.replicate(np.int32(0))))
-    return program_key(EVAL, handle._binding, args, handle._settings), args
+    return program_key(EVAL, handle._state.binding, args, handle._settings), args
 
 
 def metric_request(name: str, args: tuple) -> list:
@@ -476,7 +476,7 @@ def metric_jobs(handle, eval_entry, requests: list, b=None, model=None, target: 
     out_avals = None if handle is None else compiled_out_avals(eval_entry.call)
     if out_avals is None:
         return []
-    b, model, place = b or handle._binding, model or handle._model, handle._place
+    b, model, place = b or handle._state.binding, model or handle._state.model, handle._state.place
     jobs, seen = [], set()
     for name, rows, dev, fields in requests:
         shaped = lambda a: ((rows,) + tuple(a.shape[1:]), a.dtype)  # noqa: E731

@@ -39,14 +39,14 @@ def stale(handle, scan: bool = True) -> Staleness:
     if scan:
         _cache.ensure_fresh()
     programs = tuple(e for e in handle._programs.values() if e.poisoned)
-    b = handle._binding
+    b = handle._state.binding
     return Staleness(programs, b.edited_schedules() if b.schedules else ())
 
 
 def rebind(handle):
     """The `Binding` a `rebuild()` of `handle` binds: its experiment through its live class, the
     splits and schedules it has. Raises what the rebuild would raise."""
-    return bind(handle.experiment, handle._binding.splits, handle._options["schedules"])
+    return bind(handle.experiment, handle._state.binding.splits, handle._options["schedules"])
 
 
 def model_for(split: ParamSplit, layout, b) -> Model:
@@ -59,14 +59,14 @@ def rebound_model(handle, b) -> Model:
     """The `Model` a rebuild of `handle` builds its programs with, against binding `b`: the parameter
     tree's user classes re-bound to the live code (an Equinox model's, after its cell re-ran), split and
     laid out again (the flat layout's groups are the live optimizer's masks and labels, which an edit may
-    move), and `b`'s hooks' reserved parameters. `handle._model` itself when none of it moved."""
-    old = handle._model
-    params = old.split.combine(handle._params)
+    move), and `b`'s hooks' reserved parameters. `handle._state.model` itself when none of it moved."""
+    old = handle._state.model
+    params = old.split.combine(handle._state.params)
     live = live_value(params)
     split = old.split if live is params else ParamSplit(live)
     try:
         layout = make_layout(old.layout.signature[0] == "flat", b, split.trainable(split.dynamic(live)),
-                             handle._dev, split.trainable_paths())
+                             handle._state.dev, split.trainable_paths())
     except Exception:  # noqa: BLE001 - a mask the rebuild will refuse, with its message, in the foreground
         layout = old.layout
     if (live is params and old.has_state == b.has_state and old.reserved == b.reserved
