@@ -155,11 +155,14 @@ def compile_ahead(key, fn, args, *, donate_argnums: tuple = (), info: dict | Non
     messages += [_report.message(Kind.LARGE_CONSTANT, program=entry.kind, nbytes=nbytes, shape=shape,
                                  dtype=dtype, origin=origin) for nbytes, shape, dtype, origin in entry.constants]
     entry.held = tuple(messages)
+    # On disk before any handle can take it, as a foreground compile is: a handle that took it, then a
+    # restart, finds it stored. (One whose code moved while it compiled is stored too, and not served: its
+    # closure names the old code, so a load refuses it unless an undo makes it current again.)
+    if generation is None or generation == _cache.generation():  # a reset since (`--disk`) writes nothing
+        _save(entry)
     drifted = _cache.store_if_current(entry, claimed)
     if drifted:
         return "drifted", None, drifted
-    if generation is None or generation == _cache.generation():  # a reset since (`--disk`) writes nothing
-        _save(entry)
     return "compiled", entry, messages
 
 

@@ -237,6 +237,7 @@ EXECUTABLE_GLOBALS = frozenset({
     ("jax._src.core", "ShapedArray"),
     ("jax._src.interpreters.pxla", "AllArgsInfo"),
     ("jax._src.interpreters.pxla", "UnloadedMeshExecutable"),
+    ("jax._src.layout", "AutoLayoutSingleton"),  # JAX 0.12: an executable's default layouts
     ("jax._src.layout", "Layout"),
     ("jax._src.linear_util", "DebugInfo"),
     ("jax._src.mesh", "AbstractDevice"),
