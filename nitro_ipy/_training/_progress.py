@@ -97,7 +97,8 @@ class Progress:
         n = self.n
         self.epoch = n.epoch + 1
         # Steps the epoch had taken before this call (an interrupted epoch goes on) count as done.
-        self._start_step = n.step - 1 - min(n._cursor[0], self.steps)
+        taken = n._cursor.taken
+        self._start_step = n.step - 1 - (taken if self.steps is None else min(taken, self.steps))
         self.done = n.step - self._start_step
         self._last = (n.step, time.perf_counter())
         self.front.begin_epoch(self)
