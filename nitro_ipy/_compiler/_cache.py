@@ -433,6 +433,7 @@ def store(entry: Entry, claimed: Claim | None = None) -> None:
         if claimed is not None:
             state.compiling.pop(claimed.key, None)
             claimed.entry = entry
+            claimed.state = None  # ended: a claim something still holds keeps no cache generation alive
             claimed.done.set()
     if not entry.untaken:  # one compiled ahead is said when a handle takes it (`_served`)
         _events.publish("compile", entry)
@@ -486,7 +487,10 @@ def release(claimed: Claim, error: BaseException | None) -> None:
     """End `claimed` without an entry: the compile raised `error` (nothing is counted). With `error`
     None, a thread waiting for the key claims it and compiles it itself."""
     with _lock:
+        if claimed.state is None:  # stored already: nothing to end
+            return
         claimed.state.compiling.pop(claimed.key, None)
+        claimed.state = None
         claimed.error = error
         claimed.done.set()
 
