@@ -20,6 +20,7 @@ import nitro_ipy
 from nitro_ipy._base import _events, _html, _report, _world
 from nitro_ipy._compiler import _cache
 from nitro_ipy._notebook import _extension, _magics
+from nitro_ipy._training import _ahead
 
 EXPERIMENT = TINY_EXPERIMENT + "n = Nitro(Tiny(), data=data, batch_size=16, progress=False)\n"
 EDIT = "def helper(r):\n    return abs(r)\n"
@@ -200,12 +201,15 @@ def test_nitro_stats_after_an_edit_shows_poisoned_and_why(trained, capsys):
         ("grad", "poisoned (__main__.helper)"),
         ("eval", "poisoned (__main__.helper)"),
     ]
+    # Compile ahead (on, as users have it) builds the replacements after the edit's cell; waiting for it
+    # makes the table's states deterministic: the rebuild takes both, and the table says for whom.
+    assert _ahead.wait(60)
     _run(trained, "n = n.rebuild(); n.train()")
     table = trained.run_line_magic("nitro_stats", "")
     assert [(r.kind, r.state, r.why) for r in table.rows][:3] == [
         ("opt", "live", ""),
-        ("grad", "live", "recompiling against edited code: __main__.helper"),
-        ("eval", "live", "recompiling against edited code: __main__.helper"),
+        ("grad", "live, compiled ahead for `n`", "recompiling against edited code: __main__.helper"),
+        ("eval", "live, compiled ahead for `n`", "recompiling against edited code: __main__.helper"),
     ]
     assert repr(table).splitlines()[0].endswith("| misses 5 | entries 3 | poisoned 2")
     assert "  why grad compiled: recompiling against edited code: __main__.helper" in repr(table).splitlines()
