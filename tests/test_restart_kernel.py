@@ -45,15 +45,25 @@ RESUME = textwrap.dedent(
 
 
 def _texts(messages) -> list[str]:
-    """Every text the cell showed: streams and the text/plain of displays (the compile lines are displays)."""
-    out = []
+    """Every text the cell shows at its end: streams and the text/plain of displays (the compile lines are
+    displays), each display in its final form (an `update_display_data` replaces the display it names)."""
+    shown = []  # texts, and [display_id, text] slots that updates fill in place
+    slots = {}
     for m in messages:
         c = m["content"]
         if m["msg_type"] == "stream":
-            out += c["text"].splitlines()
-        elif m["msg_type"] in ("display_data", "update_display_data", "execute_result"):
-            out += c["data"].get("text/plain", "").splitlines()
-    return out
+            shown.append(c["text"])
+        elif m["msg_type"] in ("display_data", "execute_result"):
+            slot = [c["data"].get("text/plain", "")]
+            shown.append(slot)
+            display_id = c.get("transient", {}).get("display_id")
+            if display_id is not None:
+                slots[display_id] = slot
+        elif m["msg_type"] == "update_display_data":
+            slot = slots.get(c.get("transient", {}).get("display_id"))
+            if slot is not None:
+                slot[0] = c["data"].get("text/plain", "")
+    return [line for item in shown for line in (item if isinstance(item, str) else item[0]).splitlines()]
 
 
 def _compiles(messages) -> list[tuple[str, bool]]:
