@@ -126,6 +126,10 @@ def _scenario(ip, *edits):
     """Train, make each edit (a cell), rebuild and train after each: the handle at the end."""
     for edit in edits:
         _run(ip, edit)
+        # The edit's replacements compile ahead, and their forward warms; the next cell comes once they
+        # did, as after a reading pause (a cell started beside a background trace has it traced again, or
+        # the warming dropped: `tests/test_ahead.py`, "a cell beside a background trace").
+        assert _ahead.wait(60) and _reuse.wait(60)
         _run(ip, "n = n.rebuild()\nn.train()")
         assert _reuse.wait(60)  # the warming is idle work: it runs once training stopped
         assert not _stale(ip.user_ns["n"])

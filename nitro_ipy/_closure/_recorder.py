@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from .._base import _origin
+from .._base import _origin, _world
 from ._builder import Builder
 from ._index import Frame, traceback_functions
 from ._model import Closure
@@ -21,8 +21,8 @@ class Recorder:
     block hands each traced jaxpr over with `r.traced(jaxpr)`.
     """
 
-    __slots__ = ("closure", "kept", "fields", "_keep", "_frames", "_attrs", "_fields", "_jaxprs", "_roots",
-                 "_mode", "_tid")
+    __slots__ = ("closure", "kept", "fields", "settled", "_keep", "_frames", "_attrs", "_fields", "_jaxprs",
+                 "_roots", "_mode", "_tid", "_mark")
 
     def __init__(self, keep: bool = False):
         self.closure: Closure | None = None
@@ -31,6 +31,11 @@ class Recorder:
         # After the block: the experiment fields traced code read through the compile view
         # (`note_field_read`), replays included: what a program's GraphConst key component is matched on.
         self.fields: frozenset = frozenset()
+        # After the block: False when a cell's statements may have run in another thread while this one
+        # traced (`_world.settled`): the closure holds the globals as they are at the end, and the trace
+        # may have read others. A background compile drops such a program; the cell's own thread is
+        # always settled.
+        self.settled: bool = True
         self._fields: set = set()
         self._keep = keep
         self._frames: dict[int, Frame] = {}  # id(code) -> the function as it ran
@@ -42,6 +47,7 @@ class Recorder:
 
     def __enter__(self) -> Recorder:
         self._tid = threading.get_ident()
+        self._mark = _world.settle_mark()
         self._mode = probes.enter(self)
         return self
 
@@ -65,6 +71,7 @@ class Recorder:
         for cls, name, attr in self._attrs.values():
             builder.class_attr(cls, name, attr)
         self.closure = builder.build()
+        self.settled = _world.settled(self._mark)  # after the build: what it read is what the trace read
         self._frames.clear()
         self._attrs.clear()
         self._fields.clear()

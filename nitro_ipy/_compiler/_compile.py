@@ -15,7 +15,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from .._base import _events, _report
+from .._base import _events, _report, _world
 from .._base._compat import (
     FUSION_EMITTERS_OPTION,
     OPTIMIZATION_LEVEL_OPTION,
@@ -134,14 +134,18 @@ def compile_ahead(key, fn, args, *, donate_argnums: tuple = (), info: dict | Non
     from the main thread), `("had", entry, None)` when the key was live already (counted as a hit, as a
     rebuilt handle's lookup would), `("drifted", None, names)`, `("failed", None, error)`, or
     `("cancelled", None, None)` when the cache was reset since `generation` (the cache's generation when
-    the job was planned): nothing compiled, nothing counted.
+    the job was planned), or when a cell's statements ran beside its trace (`Unsettled`): nothing
+    compiled, nothing counted.
     """
     entry, claimed = _cache.claim(key, generation)
     if claimed is None:
         return ("had", entry, None) if entry is not None else ("cancelled", None, None)
     try:
         entry = _load_or_build(key, fn, args, donate_argnums, info, record, compiler_options, sources,
-                               out_shardings)
+                               out_shardings, speculative=True)
+    except Unsettled:  # a cell ran beside its trace: not kept, the handle compiles it when it needs it
+        _cache.release(claimed, None)
+        return "cancelled", None, None
     except Exception as err:  # noqa: BLE001 - surfaces at the rebuild that compiles it in the foreground
         _cache.release(claimed, None)
         return "failed", None, err
@@ -166,14 +170,15 @@ def compile_ahead(key, fn, args, *, donate_argnums: tuple = (), info: dict | Non
     return "compiled", entry, messages
 
 
-def _load_or_build(key, fn, args, donate_argnums, info, record, compiler_options, sources, out_shardings=None):
+def _load_or_build(key, fn, args, donate_argnums, info, record, compiler_options, sources, out_shardings=None,
+                   speculative=False):
     """A program stored by an earlier process, valid here and against the live code, is loaded
     instead of traced (`_store.py`); it still counts as a miss that creates an entry. Else `_build`."""
     why = explain_miss(key, info or {}, _cache.explanation_candidates())
     entry = _store.load(key, info, why) if record is not None else None
     if entry is None:
         entry = _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, why,
-                       out_shardings)
+                       out_shardings, speculative)
     else:
         rebuild = lambda live: _build(key, fn, live, donate_argnums, info, record, compiler_options,  # noqa: E731
                                       sources, why, out_shardings)
@@ -266,13 +271,19 @@ def _fresh(fn):
     return again
 
 
+class Unsettled(Exception):
+    """A background trace overlapped a cell's own statements (`_world.settled`): what it recorded may not
+    be what it traced, so nothing of it is kept."""
+
+
 def _trace(jitted, fn, args, record) -> tuple:
-    """`(traced, closure, reads)`: `jitted` traced at `args`, under `record` when given (its closure, and
-    the experiment fields the trace read; None when unknown)."""
+    """`(traced, closure, reads, settled)`: `jitted` traced at `args`, under `record` when given (its
+    closure, and the experiment fields the trace read; None when unknown), and whether no cell's
+    statement can have run meanwhile (`Recorder.settled`: only a background thread's trace can fail it)."""
     with gc_paused():
         try:
             if record is None:
-                return jitted.trace(*args), None, None
+                return jitted.trace(*args), None, None, True
             # Only the trace runs user Python; lowering stays outside the recorder (and off a profiler hook).
             with record() as recorder:
                 traced = jitted.trace(*args)
@@ -287,16 +298,17 @@ def _trace(jitted, fn, args, record) -> tuple:
         # It read a value with no fingerprint: what that value holds may come from a GraphConst field
         # it never read (docs/recompilation.md), so every field keys it.
         reads = None
-    return traced, closure, reads
+    return traced, closure, reads, recorder.settled
 
 
-def _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, why=None, out_shardings=None):
+def _build(key, fn, args, donate_argnums, info, record, compiler_options, sources, why=None, out_shardings=None,
+           speculative=False):
     """Trace (recording), lower and XLA-compile: the `Entry`, not yet stored."""
     with _gc_lock:
         _building[0] += 1
     try:
         return _trace_and_compile(key, fn, args, donate_argnums, info, record, compiler_options, sources, why,
-                                  out_shardings)
+                                  out_shardings, speculative)
     finally:
         with _gc_lock:
             _building[0] -= 1
@@ -307,13 +319,24 @@ def _build(key, fn, args, donate_argnums, info, record, compiler_options, source
 RETRACES = 3
 
 
-def _trace_and_compile(key, fn, args, donate_argnums, info, record, compiler_options, sources, why, out_shardings):
+def _trace_and_compile(key, fn, args, donate_argnums, info, record, compiler_options, sources, why, out_shardings,
+                       speculative=False):
     placed = {} if out_shardings is None else {"out_shardings": out_shardings}
     jitted = jax.jit(fn, donate_argnums=donate_argnums, **placed)
     t0 = time.perf_counter()
     for _ in range(RETRACES):
         evictions = _cache.evictions()
-        traced, closure, reads = _trace(jitted, fn, args, record)
+        traced, closure, reads, settled = _trace(jitted, fn, args, record)
+        if not settled and speculative:
+            # A cell's statements may have run while it traced: its closure may name code it did not run.
+            # Nothing of it is kept (its inner traces neither). While the cell waits inside nitro (a
+            # rebuilt handle's `train()` waiting for this very program) it is traced again; while the
+            # cell runs statements of its own, the program compiles when it is needed.
+            _cache.evict_user_traces()
+            if _world.cell_busy():
+                raise Unsettled()
+            jitted = jax.jit(_fresh(fn), donate_argnums=donate_argnums, **placed)
+            continue
         if _cache.evictions() == evictions:
             break
         # An edit's scan evicted JAX's cached traces of the user's inner functions meanwhile, and this
@@ -323,6 +346,9 @@ def _trace_and_compile(key, fn, args, donate_argnums, info, record, compiler_opt
             break  # it ran the old code and says so: dropped (compile ahead) or poisoned by the next scan
         jitted = jax.jit(_fresh(fn), donate_argnums=donate_argnums, **placed)  # traced again, past JAX's
         # cache of `fn`'s traces: its closure says it is current, yet it may have used an old inner trace
+    else:
+        if speculative and not settled:
+            raise Unsettled()
     with gc_paused():
         lowered = traced.lower()
     # A program the store cannot hold still skips XLA after a restart, through JAX's own cache.

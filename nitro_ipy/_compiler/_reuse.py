@@ -41,7 +41,7 @@ import time
 import jax
 
 from .. import _closure
-from .._base import _memo
+from .._base import _memo, _world
 from . import _cache
 
 ENV = "NITRO_IPY_TRACE_REUSE"
@@ -152,16 +152,20 @@ class Forward:
 def warm(key, forward: Forward, program, args) -> bool:
     """Trace `program` (the gradient program, calling through `forward`) for `args`, so that JAX caches
     the forward's trace and derivative; then keep `forward` for the next program keyed `key`. Returns
-    whether `forward` was kept."""
-    evictions = _cache.evictions()
+    whether `forward` was kept: not when a cell started or ended while it traced (`_world.settled`)."""
+    evictions, generation, mark = _cache.evictions(), _cache.generation(), _world.settle_mark()
     try:
         with _quiet():
             jax.jit(program).trace(*args)
         forward.finish()
     except Exception:  # an optimisation only: the next build traces plainly and warms again
         return False
-    if _cache.evictions() != evictions:  # an edit's scan ran meanwhile: what this trace cached of the
-        _cache.evict_user_traces()  # user's inner functions may be the old code's
+    if _cache.evictions() != evictions or not _world.settled(mark):
+        # An edit's scan ran meanwhile, or a cell did (its recording may name code the trace did not
+        # run): what this trace cached of the user's inner functions may be the old code's.
+        _cache.evict_user_traces()
+        return False
+    if _cache.generation() != generation:  # `cache_reset()` since: it forgets, this too
         return False
     if not forward.fresh():  # the code moved while it traced
         return False
@@ -236,7 +240,8 @@ def training():
     with _cv:
         _training[0] += 1
     try:
-        yield
+        with _world.inside_nitro():  # a trace beside it meets no statement of the cell (`_world.settled`)
+            yield
     finally:
         with _cv:
             _training[0] -= 1
@@ -245,8 +250,8 @@ def training():
 
 
 def _idle() -> bool:
-    if _training[0] or time.monotonic() - _training[1] < QUIET_S:
-        return False
+    if _training[0] or time.monotonic() - _training[1] < QUIET_S or _world.cell_busy():
+        return False  # (a warming that a cell's own statements may cross is not kept)
     return all(ok() for ok in IDLE)
 
 

@@ -6,6 +6,7 @@ kernel, the file watcher); `unload` removes every callback and the magics and cl
 The current load is found through IPython's own magics registry: this module keeps no state.
 """
 
+from .._base import _world
 from ._magics import CELL_EVENTS, NitroMagics, is_cell_callback
 
 
@@ -26,6 +27,7 @@ def unload(ip) -> None:
         for fn in list(ip.events.callbacks.get(event, ())):
             if is_cell_callback(fn):
                 ip.events.unregister(event, fn)
+    _world.cell_ended()  # unloaded by a cell, whose post-cell hook is gone: no cell is running for us now
     magics = loaded_magics(ip)
     if magics is None:
         return

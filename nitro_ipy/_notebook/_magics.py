@@ -139,6 +139,7 @@ class NitroMagics(Magics):
     @_cell_callback
     def pre_run_cell(self, info=None) -> None:
         try:
+            _world.cell_started()
             _world.bump_world()
             if self.sink is not None and self.sink.buttons:
                 self.sink.retire(moved_on=True)  # a button shown by an earlier cell can no longer be clicked
@@ -148,6 +149,7 @@ class NitroMagics(Magics):
     @_cell_callback
     def post_run_cell(self, result=None) -> None:
         try:
+            _world.cell_ended()  # before compile ahead starts: its traces meet no statement of this cell
             _ahead.after_edit()  # the replacements of what this cell's edit poisoned start compiling
             self.refresh_watch()
             if self.sink is not None:
