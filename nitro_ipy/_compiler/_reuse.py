@@ -250,8 +250,8 @@ def training():
 
 
 def _idle() -> bool:
-    if _training[0] or time.monotonic() - _training[1] < QUIET_S or _world.cell_busy():
-        return False  # (a warming that a cell's own statements may cross is not kept)
+    if _training[0] or time.monotonic() - _training[1] < QUIET_S:
+        return False
     return all(ok() for ok in IDLE)
 
 
