@@ -115,12 +115,14 @@ def test_validation_starts_compiling_while_the_gradient_program_is_in_xla():
     exec(compile(TINY_EXPERIMENT, "<ipython-input-1-xla>", "exec"), ns)
     n = ns["Nitro"](ns["Tiny"](), data=ns["data"], batch_size=16, progress=False)
     seen = []
+    taken = _ahead._taken  # jobs the workers had taken off the queue before this run
 
     def grad_in_xla():  # runs after `_ahead`'s own callback, in the building thread
         with _ahead._cv:
-            if threading.current_thread() is threading.main_thread() and _ahead._queue and not seen:
-                # The worker takes the job off the queue: at once, or never while this thread compiles.
-                seen.append(_ahead._cv.wait_for(lambda: not _ahead._queue, 20))
+            if threading.current_thread() is threading.main_thread() and not seen:
+                # The worker takes the job off the queue: at once (it may have done so already, between
+                # `_ahead`'s callback and this one), or never while this thread compiles.
+                seen.append(_ahead._cv.wait_for(lambda: not _ahead._queue and _ahead._taken > taken, 20))
 
     _unsub_xla = _events.subscribe("xla_start", grad_in_xla)
     try:
