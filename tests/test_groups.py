@@ -3,6 +3,7 @@ the default (flat) layout as on `flat_params=False`, with one buffer per (dtype,
 cannot mean the same on buffers are refused at setup with the fix."""
 
 import dataclasses
+import functools
 
 import equinox as eqx
 import flax.linen as nn
@@ -379,12 +380,76 @@ def test_path_logic_outside_the_masks_is_refused_at_setup_with_the_fix():
     _train(ByHand(), False)  # the tree layout takes it
 
 
-def test_no_optimizer_that_means_the_same_on_buffers_is_taken_for_path_logic():
+class _Schedule:
+    """A schedule as an object of the user's (a class with `__call__`)."""
+
+    def __call__(self, count):
+        return 1e-2 / (1 + count)
+
+
+def _hidden(how):
+    """`_path_aware`'s update reached another way: jitted, through a partial, as a method of an object."""
+    tx = _path_aware()
+    if how == "jitted":
+        return optax.GradientTransformation(tx.init, jax.jit(tx.update))
+    if how == "partial":
+        return optax.GradientTransformation(tx.init, functools.partial(lambda f, *a, **k: f(*a, **k), tx.update))
+
+    class Holder:
+        def update(self, updates, state, params=None):
+            return tx.update(updates, state, params)
+
+    return optax.GradientTransformation(tx.init, Holder().update)
+
+
+@pytest.mark.parametrize("how", ["jitted", "partial", "method"])
+def test_path_logic_reached_through_a_jit_a_partial_or_a_method_is_refused_too(how):
+    @dataclasses.dataclass
+    class ByHand(Net):
+        def optimizer(self):
+            return optax.chain(_hidden(how), optax.adamw(self.lr, mask=by_ndim))
+
+    with pytest.raises(NitroValueError, match=r"computes something else depending on the parameters' paths"):
+        Nitro(ByHand(), data={"train": _reg()}, progress=False)
+
+
+def test_only_optax_code_skips_the_traced_path_check_and_anything_of_yours_takes_it():
+    # The traced check costs two traces of the update over every parameter array (0.5 s a handle, and at
+    # every restart, at 242 arrays): an optimizer made of optax's code alone, its masks given as values,
+    # cannot choose by path outside them; a function or object of yours anywhere in it is checked.
+    from nitro_ipy._experiment._groups import substituted
+    from nitro_ipy._experiment._optimizer import library_only
+
+    library = {
+        "adam": optax.adam(1e-3),
+        "adamw, mask as values": optax.adamw(1e-3, mask={"w": True, "b": False}),
+        "adamw, callable mask substituted": substituted(optax.adamw(1e-3, mask=by_path), [[True, False]]),
+        "chain, clip, optax schedule": optax.chain(optax.clip_by_global_norm(1.0),
+                                                   optax.adam(optax.cosine_decay_schedule(1e-3, 100))),
+        "inject_hyperparams": optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3),
+        "MultiSteps": optax.MultiSteps(optax.adam(1e-3), 4),
+    }
+    yours = {
+        "callable mask, not substituted": optax.adamw(1e-3, mask=by_path),
+        "lambda schedule": optax.adam(lambda count: 1e-3),
+        "schedule object": optax.adam(_Schedule()),
+        "hand-written transformation": optax.chain(_path_aware(), optax.adam(1e-3)),
+        **{f"update {how}": optax.chain(optax.adam(1e-3), _hidden(how)) for how in ("jitted", "partial", "method")},
+    }
+    assert {name: library_only(tx) for name, tx in {**library, **yours}.items()} == {
+        **dict.fromkeys(library, True), **dict.fromkeys(yours, False)}
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["as set up", "traced check"])
+def test_no_optimizer_that_means_the_same_on_buffers_is_taken_for_path_logic(traced, monkeypatch):
     from test_models import _SAME_FLAT
 
+    from nitro_ipy._experiment import _optimizer
     from nitro_ipy._experiment._layout import FlatLayout
     from nitro_ipy._experiment._optimizer import path_dependent
 
+    if traced:  # the two traces themselves agree on optax's own code (not only the shortcut)
+        monkeypatch.setattr(_optimizer, "library_only", lambda tx: False)
     params = Net().init(jax.random.PRNGKey(0))
     for name, make in {**_SAME_FLAT, **{f: (lambda f=f: FORMS[f](Net())) for f in FORMS}}.items():
         tx = make()
