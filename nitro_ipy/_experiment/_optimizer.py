@@ -97,18 +97,20 @@ def path_dependent(tx, trainable, layout) -> bool:
     leaves, treedef = jax.tree_util.tree_flatten(trainable)
     if len(leaves) < 2:
         return False
-    avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
     per_leaf = ([layout.values[g] for i in range(len(leaves)) for g, idx in layout.groups.items() if i in idx]
                 if layout.grouped else None)
-    value = jnp.zeros((), jnp.float32)
-    if library_only(tx if per_leaf is None else substituted(tx, [[v[k] for v in per_leaf]
-                                                                 for k in range(len(layout.cells))])):
+
+    def given(unflatten):  # `tx`, its masks and labels as their per-array values in `unflatten`'s container
+        return tx if per_leaf is None else substituted(
+            tx, [unflatten([v[k] for v in per_leaf]) for k in range(len(layout.cells))])
+
+    if library_only(given(list)):
         return False  # optax's own transformations read paths through their masks and labels alone
+    avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
+    value = jnp.zeros((), jnp.float32)
 
     def program(unflatten):
-        seen = tx if per_leaf is None else substituted(
-            tx, [unflatten([v[k] for v in per_leaf]) for k in range(len(layout.cells))])
-        tree = unflatten(avals)
+        seen, tree = given(unflatten), unflatten(avals)
         fn = lambda g, p: seen.update(g, seen.init(p), p, **update_args(seen, value))[0]  # noqa: E731
         return str(jax.make_jaxpr(fn)(tree, tree))
 
