@@ -183,7 +183,8 @@ class _TimedSink:
 
 
 def bench_panel(ip, steps: int, rounds: int) -> dict:
-    from nitro_ipy._notebook._widgets import Panel, RichSink
+    from nitro_ipy._notebook._panel import Panel
+    from nitro_ipy._notebook._widgets import RichSink
 
     batch = 32
     # progress=True, as in a notebook: the epoch line is one of the panel's events (the bar costs both sides).

@@ -639,7 +639,7 @@ def _shown(panel):
 
 
 def test_panel_shows_the_cache_and_the_latest_compile(trained, monkeypatch):
-    from nitro_ipy._notebook._widgets import Panel
+    from nitro_ipy._notebook._panel import Panel
 
     panel = Panel(min_interval=0)
     panel.attach()
@@ -675,7 +675,7 @@ def test_panel_shows_the_cache_and_the_latest_compile(trained, monkeypatch):
 
 
 def test_panel_draws_the_loss_chart_of_the_running_train(trained, monkeypatch):
-    from nitro_ipy._notebook._widgets import Panel
+    from nitro_ipy._notebook._panel import Panel
 
     _sinked(monkeypatch, trained)
     panel = Panel(min_interval=0)
@@ -695,7 +695,7 @@ def test_panel_draws_the_loss_chart_of_the_running_train(trained, monkeypatch):
 
 
 def test_panel_updates_are_throttled_and_flushed(trained):
-    from nitro_ipy._notebook._widgets import Panel
+    from nitro_ipy._notebook._panel import Panel
 
     panel = Panel(min_interval=3600)  # nothing but forced refreshes get through the throttle
     panel.attach()
@@ -717,7 +717,7 @@ def test_panel_updates_are_throttled_and_flushed(trained):
 
 
 def test_panel_is_never_touched_off_the_main_thread():
-    from nitro_ipy._notebook._widgets import Panel
+    from nitro_ipy._notebook._panel import Panel
 
     panel = Panel(min_interval=0)
     t = threading.Thread(target=panel.refresh, kwargs={"force": True})
@@ -728,7 +728,7 @@ def test_panel_is_never_touched_off_the_main_thread():
 
 
 def test_a_failing_panel_never_breaks_training(trained, monkeypatch, capsys):
-    from nitro_ipy._notebook._widgets import Panel
+    from nitro_ipy._notebook._panel import Panel
 
     panel = Panel(min_interval=0)
     panel.attach()
@@ -759,7 +759,7 @@ def test_nitro_panel_in_a_widget_kernel(shell, monkeypatch, capsys):
 
 
 def test_panel_recompile_loop_turns_it_warning():
-    from nitro_ipy._notebook._widgets import Panel
+    from nitro_ipy._notebook._panel import Panel
 
     panel = Panel(min_interval=0)
     assert "nitro-plain nitro-panel" in panel.outputs()[0].html
@@ -785,7 +785,7 @@ class _Run:
 
 
 def test_panel_stop_button_stops_a_background_run_and_ends_as_html():
-    from nitro_ipy._notebook._widgets import Panel
+    from nitro_ipy._notebook._panel import Panel
 
     panel = Panel(min_interval=0)
     panel.attach()

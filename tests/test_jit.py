@@ -403,7 +403,7 @@ def test_through_a_real_kernel():
 
 
 def test_the_panel_shows_jitted_functions(ip, capsys):
-    from nitro_ipy._notebook._widgets import Panel
+    from nitro_ipy._notebook._panel import Panel
 
     panel = Panel(min_interval=0)
     panel.attach()

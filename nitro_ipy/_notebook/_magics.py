@@ -229,8 +229,8 @@ class NitroMagics(Magics):
             print(f"{why}\n{stats_table().summary()}")
             return
         if self.panel is None:
-            from ._widgets import (
-                Panel,  # imported already: `self.sink` is one of its classes
+            from ._panel import (
+                Panel,  # its `_widgets` is imported already: `self.sink` is one of its classes
             )
 
             self.panel = self.sink.panel = Panel()
