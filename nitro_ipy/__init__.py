@@ -3,6 +3,7 @@
 `import nitro_ipy` never imports IPython or ipywidgets; `%load_ext nitro_ipy` wires the notebook side.
 """
 
+from . import loggers as loggers  # the public `nitro_ipy.loggers` subpackage
 from ._base._errors import GraphConstHashError as GraphConstHashError
 from ._base._errors import HandleBusyError as HandleBusyError
 from ._base._errors import HostFieldAccessError as HostFieldAccessError
@@ -77,6 +78,7 @@ __all__ = [
     "graphconst_fields",
     "host_fields",
     "jit",
+    "loggers",
     "metrics",
     "predict",
     "set_cache_dir",

@@ -95,8 +95,9 @@ LAYERS = {
     "_closure": {"_base"},
     "_experiment": {"_base", "_closure"},
     "_compiler": {"_base", "_closure"},
-    "_training": {"_base", "_closure", "_experiment", "_compiler"},
-    "_notebook": {"_base", "_closure", "_experiment", "_compiler", "_training"},
+    "loggers": {"_base", "_experiment"},  # public: `nitro_ipy.loggers.TensorBoard(...)`
+    "_training": {"_base", "_closure", "_experiment", "_compiler", "loggers"},
+    "_notebook": {"_base", "_closure", "_experiment", "_compiler", "_training", "loggers"},
 }
 
 

@@ -32,6 +32,7 @@ CORPUS = {
     Kind.RESUMED: dict(path="/tmp/ckpt", step=40, epoch=4, notes=()),
     Kind.MIXED_CODE: dict(program="eval", names=("m.f",), others=("grad",)),
     Kind.INTERRUPTED: dict(where="epoch 4, step 422/427"),
+    Kind.LOGGER: dict(text="nitro_ipy.loggers: `f` raised ValueError: x; it is detached"),
 }
 
 

@@ -36,6 +36,7 @@ class Kind(str, enum.Enum):
     RESUMED = "resumed"  # a handle resumed from a checkpoint: path, step, epoch, notes (changed Device/Host, hooks)
     MIXED_CODE = "mixed-code"  # a background run compiled a program after its code moved: program, names, others
     INTERRUPTED = "interrupted"  # a train() call stopped early: where (`epoch 4, step 422/427`), reason
+    LOGGER = "logger"  # a logger (`nitro_ipy.loggers`) was detached or fell behind: text
 
     def __str__(self):
         return self.value
@@ -292,6 +293,7 @@ TEXT: dict[Kind, Callable[..., str]] = {
     Kind.RESUMED: _resumed_text,
     Kind.MIXED_CODE: _mixed_code_text,
     Kind.INTERRUPTED: _interrupted_text,
+    Kind.LOGGER: lambda text: text,
 }
 
 
@@ -332,6 +334,7 @@ LOOKS: dict[Kind, Look] = {
     Kind.LARGE_CONSTANT: Look(True, "warning", lambda d: f"A large constant in the `{d['program']}` program"),
     Kind.MIXED_CODE: Look(True, "warning", lambda d: f"Mixed code in the `{d['program']}` program"),
     Kind.INTERRUPTED: Look(True, "warning"),
+    Kind.LOGGER: Look(True, "warning"),
 }
 
 

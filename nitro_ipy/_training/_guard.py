@@ -99,6 +99,13 @@ def loss_sum(guard) -> tuple[float, int]:
     return float(hi + lo), int(guard[FINITE])
 
 
+def origin_and_losses(guard) -> tuple[int, float, int]:
+    """`(origin, sum, count)` of a guard (on the device or the host): the step it was made at, and its
+    finite losses (the loggers' mean loss of a `steps_per_execution` block, `nitro_ipy.loggers`)."""
+    guard = np.asarray(guard)
+    return (int(guard[ORIGIN]), *loss_sum(guard))
+
+
 def _add_loss(guard, loss):
     """`(finite count, sum bits, compensation bits)` after adding `loss` when it is finite: Neumaier's
     compensated sum in float32, so an epoch's mean loss is as exact as the host's float64 sum was."""

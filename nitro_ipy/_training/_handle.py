@@ -11,6 +11,8 @@ background run training it, or None), and `_view`, `_forward`, `_loss`, `_optimi
 binding.
 """
 
+import time
+
 import jax
 import numpy as np
 
@@ -52,7 +54,8 @@ from .._experiment._optimizer import (
     init_optimizer,
     make_layout,
 )
-from . import _ahead, _checkpoint, _loop, _progress, _runs
+from ..loggers import Tracker
+from . import _ahead, _checkpoint, _guard, _loop, _progress, _runs
 from ._loop import EPOCH_START, StepState
 from ._pipeline import carry_resident, check_data_on_device, train_split
 from ._programs import EVAL, METRIC, PREDICT, make_predict, program_key
@@ -132,13 +135,14 @@ class Nitro:
         stop_when: tuple | None = None,
         steps_per_execution: int = 1,
         data_on_device="auto",
+        loggers=None,
     ):
         options = dict(
             data=data, batch_size=batch_size, max_epochs=max_epochs, accum=accum,
             schedules=schedules, seed=seed, progress=progress, flat_params=flat_params,
             mesh=mesh, data_axis=data_axis, param_sharding=param_sharding,
             on_nonfinite=on_nonfinite, stop_when=stop_when, steps_per_execution=steps_per_execution,
-            data_on_device=check_data_on_device(data_on_device),
+            data_on_device=check_data_on_device(data_on_device), loggers=Tracker(loggers).loggers,
         )
         # Checkpointing is checked before setup: a bad setting fails fast, before `init` runs.
         checkpoints = (None if checkpoint_every is None
@@ -154,6 +158,7 @@ class Nitro:
         self._setup(e, options, carry=None, given=given)
         if resume is not None:
             _checkpoint.restore(self, resume)
+            self._tracking.note("resume", self.step, self.epoch, path=str(resume))
 
     @classmethod
     def _carrying(cls, e, options: dict, carry: tuple) -> "Nitro":
@@ -243,6 +248,7 @@ class Nitro:
         self.history: list[dict] = _runs.History()  # a list of epoch rows, with `.table()`
         self._stop_when = _runs.early_stop(options.get("stop_when"), b.splits)
         self._run = None  # the background run training this handle, if any (`_runs.check_idle`)
+        self._tracking = Tracker(options.get("loggers"))  # `loggers=`: told what training does
         _ahead.track(self)  # weakly: an edit that poisons its programs compiles their replacements ahead
 
     # ---------------------------------------------------------------- state
@@ -305,6 +311,9 @@ class Nitro:
                 raise NitroValueError(str(err) + AT_REBUILD.format(state=state)) from None
         new._curve = list(self._curve)  # the loss chart goes on where it was
         new._cursor = self._cursor  # and a cut epoch where it stopped
+        new._tracking.pending = self._tracking.pending  # said at the new handle's first train()
+        self._tracking.pending = []
+        new._tracking.note("rebuild", new.step, new.epoch)
         _ahead.rebuilt(self, new)  # this handle is superseded: compile ahead serves the new one
         carry_resident(self, new)  # and a split placed on the device stays there, once
         return new
@@ -367,6 +376,7 @@ class Nitro:
         # value mutated in place since would put a program of the new value under the old key.
         self._binding.check_graphconst_unchanged()
         entry = _cache.lookup(key)
+        taken = "cache" if entry is not None else "now"  # compiled earlier (another handle, ahead, the store)
         if entry is None:
             fn = spec.build(self._binding, self._model, self.accum, hook, **fields)
             entry = _compile.compile_program(key, fn, args, donate_argnums=spec.donate,
@@ -381,6 +391,7 @@ class Nitro:
                 _report.emit(Kind.RECOMPILE_LOOP, program=key.kind, why=entry.why or "the key moved")
         self._kinds_seen.setdefault(key.kind, key)
         self._programs[key] = entry
+        self._tracking.compiled(entry, self.step, self.epoch, taken)
         _ahead.resolved(self, spec, key, args, hook, fields)
         return entry
 
@@ -389,16 +400,17 @@ class Nitro:
         _runs.check_idle(self, what)
         now = stale(self)
         if now:
+            self._tracking.note("stale", self.step, self.epoch, names=", ".join(_report.merge_names(now.programs)))
             _report.emit(Kind.STALE_HANDLE, handle=self, names=_report.merge_names(now.programs),
                          kinds=now.kinds(), schedules=now.schedules)
 
-    def train(self, epochs: int | None = None, *, background: bool = False):
+    def train(self, epochs: int | None = None, *, background: bool = False, loggers=None):
         """Train for `epochs` (default `max_epochs`) epochs, validating after each one when a `valid`
         split exists. Returns this call's epoch rows (also appended to `n.history`).
 
         With `background=True`, returns a `Run` at once and trains in a worker thread: `run.stop()`,
         `run.wait()` (see `_runs.py`). Ctrl-C in the foreground raises `TrainingInterrupted`, one line,
-        with the handle usable.
+        with the handle usable. `loggers`: more loggers for this call only (docs/tracking.md).
         """
         if epochs is not None:  # before anything runs: `train(0)` would return [] as if it had trained
             check_positive_int("epochs", epochs, " (or None for `max_epochs`)")
@@ -421,24 +433,31 @@ class Nitro:
         fields = sorted(set(b.routes["forward"].pick(split)) | set(b.routes["loss"].pick(split)))
         epochs = self.max_epochs if epochs is None else epochs
         control = _runs.RunControl(self, steps, quiet=background)
-        work = lambda: self._train_epochs(control, split, fields, steps, epochs)  # noqa: E731
+        work = lambda: self._train_epochs(control, split, fields, steps, epochs, loggers)  # noqa: E731
         if background:
             return _runs.start(self, control, work, epochs)
         return _runs.foreground(control, work)
 
     @in_mesh()  # here, not on `train`: a background run trains in its own thread
-    def _train_epochs(self, control, split: dict, fields, steps: int, epochs: int) -> list[dict]:
+    def _train_epochs(self, control, split: dict, fields, steps: int, epochs: int, extra=None) -> list[dict]:
         # This call's progress report (None with `progress=False`); the loop reads it from the handle.
         progress = self._progress = _progress.start(self, epochs, steps, quiet=control.quiet, control=control)
+        b = self._binding
+        tracking = self._state.tracking = self._tracking.begin(
+            self.step, self.epoch, self.experiment, extra, guard_read=_guard.origin_and_losses,
+            schedules=b.apply_schedules if b.schedules else None)
+        err = None
         try:
             with _reuse.training():  # no trace-reuse warming while this trains
                 rows = self._epochs(control, split, fields, epochs, progress)
-        except BaseException as err:
+        except BaseException as e:
+            err = e
             if progress is not None:
                 progress.close(err)
             raise
         finally:
-            self._progress = None
+            self._progress = self._state.tracking = None
+            self._tracking.end(tracking, err, self.step, self.epoch)  # every event logged, each logger flushed
         if self._checkpoints is not None:  # the last periodic checkpoint is on disk when train() returns
             _checkpoint.wait()
         if progress is not None:
@@ -455,7 +474,9 @@ class Nitro:
             if control.pending:  # a stop asked for between epochs (during validation)
                 raise KeyboardInterrupt
             control.begin_epoch()
+            step0, clock = self.step, time.perf_counter()
             loss, skipped = _loop.train_epoch(self._state, self._resolve, split, fields, steps, control)
+            took = time.perf_counter() - clock
             row = {"epoch": self.epoch + 1, "loss": loss}
             if self.on_nonfinite == "skip":
                 row["skipped"] = skipped
@@ -469,7 +490,10 @@ class Nitro:
             if stopper is not None and (reason := stopper.update(row)):
                 row["stopped"] = reason
             if self._checkpoints is not None:  # after validation: `keep_best` ranks by the row's metrics
-                self._checkpoints.after_epoch(self)
+                if (path := self._checkpoints.after_epoch(self)) is not None:
+                    self._tracking.note("checkpoint", self.step, self.epoch, path=path)
+            if self._state.tracking is not None:
+                self._state.tracking.epoch(row, self.step, self.epoch, self.step - step0, took)
             if progress is not None:
                 progress.end_epoch(row)
             if self.progress:
@@ -598,9 +622,9 @@ def _accumulate(sums: dict, hook_name: str, result):
 
 
 # Function forms, for those who prefer them.
-def train(n: Nitro, epochs: int | None = None, *, background: bool = False):
-    """`n.train(epochs, background=background)`."""
-    return n.train(epochs, background=background)
+def train(n: Nitro, epochs: int | None = None, *, background: bool = False, loggers=None):
+    """`n.train(epochs, background=background, loggers=loggers)`."""
+    return n.train(epochs, background=background, loggers=loggers)
 
 
 def validate(n: Nitro) -> dict:

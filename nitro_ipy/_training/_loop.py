@@ -38,6 +38,7 @@ from ._pipeline import run_ahead, train_batches
 from ._programs import GRAD, OPT, STEPS
 
 _SYNC_SECONDS = 0.25  # how often losses are checked, reuse counted and the live panel told
+_NEVER = 1 << 62  # the step to log at when no logger logs steps
 
 
 class Cursor(NamedTuple):
@@ -84,6 +85,7 @@ class StepState:
     guard_parts: int | None = None
     shared: bool = True
     progress: object = None
+    tracking: object = None  # the running call's loggers (`nitro_ipy.loggers` session), or None
 
     def fresh_guard(self, step: int):
         """A guard with no steps seen, made at `step` (its rng counter starts there), placed."""
@@ -210,10 +212,14 @@ def train_epoch(s: StepState, resolve, split: dict, fields, steps: int, gate: In
                 return mean_loss(total, n_loss), 0
             if schedules:  # checked: type, dtype, shape, finite; then replicated on a mesh
                 place.schedules(binding.first_schedules)(dev, s.step)
-            grad, opt, _ = keyed_step(s, resolve, batch, gate)
+            grad, opt, loss = keyed_step(s, resolve, batch, gate)
             stable = returns_its_inputs(opt)
             s.step += 1
             gate.defer = False
+            track = s.tracking  # `log_every=k`: an int compare a step; a logged step queues an async copy
+            log_at = track.next_at(step0) if track is not None else _NEVER
+            if s.step >= log_at:
+                log_at = track.step(s, loss)
             bar = s.progress  # this train() call's `_progress.Progress`, or None
             if bar is not None:  # it draws on process 0 only (`_progress.start`)
                 bar.begin_epoch()
@@ -239,6 +245,8 @@ def train_epoch(s: StepState, resolve, split: dict, fields, steps: int, gate: In
                     s.step += per
                     left -= per
                     gate.defer = False
+                    if s.step >= log_at:
+                        log_at = track.step(s, None)
                     if perf_counter() > next_sync:
                         seen, guard = sync(s, seen, bar, step0, split, fields, resolve, reused)
                         next_sync = perf_counter() + _SYNC_SECONDS
@@ -265,6 +273,8 @@ def train_epoch(s: StepState, resolve, split: dict, fields, steps: int, gate: In
                     grad, opt, loss = keyed_step(s, resolve, batch, gate)
                 s.step += 1
                 gate.defer = False
+                if s.step >= log_at:
+                    log_at = track.step(s, loss)
                 if ahead:  # a CPU mesh: wait for the step `ahead` back (`_sharding.pace`)
                     recent.append(loss)
                     if len(recent) > ahead:

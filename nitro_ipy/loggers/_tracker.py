@@ -1,0 +1,262 @@
+"""A handle's loggers, and the thread that feeds them while a `train()` call runs.
+
+The step path pays an int comparison a step, and at a logged step (`log_every=k`) an asynchronous device
+-> host copy of one value (`copy_to_host_async`) and an append to a bounded deque: no host callback in
+the compiled step, no blocking transfer, no lock. The logger thread wakes a few times a second, turns
+the values into floats (the copies have landed by then) and calls the loggers. When they cannot keep up,
+step events past `QUEUE` are dropped and counted (said once, at the call's end); epoch, validation and
+text events are never dropped. A logger that raises is detached for the rest of the call and said once.
+
+What a step event's loss is: the loss of that step (the gradient program's output, not donated); with
+`steps_per_execution=K`, the mean of the finite losses since the epoch's last logged point, read from a
+copy of the guard the K-step program carries (`_training/_guard.py`: its loss sum and count), since a
+K-step call hands back no per-step loss.
+"""
+
+import collections
+import math
+import threading
+import time
+
+import jax.numpy as jnp
+
+from .._base import _report
+from .._base._errors import NitroTypeError, NitroValueError
+from ._event import Event, hparams, row_events, scalar
+
+QUEUE = 65536  # step events waiting for the logger thread before new ones are dropped
+POLL = 0.1  # seconds the logger thread sleeps between drains: it takes the GIL a few times a second
+NEVER = 1 << 62  # the next step to log at when no logger logs steps
+
+BAD_LOGGER = (
+    "`loggers=` takes a list of loggers: `nitro_ipy.loggers.TensorBoard(logdir)`, `WandB(...)`, `MLflow(...)` "
+    "or any callable `(event) -> None`; got {what} at position {i}. Fix: pass the logger object itself, "
+    "e.g. `loggers=[TensorBoard(\"runs/a\")]`."
+)
+BAD_EVERY = "`log_every` is a number of optimizer steps, a positive int (or None: per epoch); got {what}."
+
+
+def check_log_every(value):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise NitroValueError(BAD_EVERY.format(what=repr(value)))
+    return value
+
+
+def check_loggers(loggers) -> tuple:
+    if loggers is None:
+        return ()
+    if callable(loggers) or isinstance(loggers, (str, bytes)):
+        loggers = [loggers] if callable(loggers) else loggers
+    out = tuple(loggers)
+    for i, fn in enumerate(out):
+        if not callable(fn):
+            raise NitroTypeError(BAD_LOGGER.format(what=f"`{type(fn).__name__}` {fn!r:.60}", i=i))
+        check_log_every(getattr(fn, "log_every", None))
+    return out
+
+
+def name_of(fn) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
+
+
+class Tracker:
+    """A handle's loggers (`Nitro(e, loggers=[...])`). Events noted while no `train()` call runs (a rebuild,
+    a resume, a stale program, a compile for `validate()`) wait in `pending` and open the next call's log."""
+
+    def __init__(self, loggers=()):
+        self.loggers = check_loggers(loggers)
+        self.pending: list = []
+        self.session = None
+
+    def note(self, kind: str, step: int, epoch: int, values=None, **params):
+        """An event of `kind` now: to the running call's thread, or held for the next call."""
+        event = Event(kind, int(step), int(epoch), dict(values or {}), params, time.time())
+        if self.session is not None:
+            self.session.put(event)
+        elif self.loggers:
+            self.pending.append(event)
+
+    def compiled(self, entry, step: int, epoch: int, taken: str):
+        """The handle took `entry`, a program it had not run: compiled `now`, or from the `cache` (compiled
+        by another handle, ahead, or loaded from the program store: `entry.origin` is `"disk"` then)."""
+        if self.loggers or self.session is not None:
+            seconds = float(entry.trace_s or 0.0) + float(entry.compile_s or 0.0)
+            self.note("compile", step, epoch, {f"compile/{entry.kind}": seconds}, taken=taken, origin=entry.origin)
+
+    def begin(self, step: int, epoch: int, experiment, extra=(), *, schedules=None,
+              guard_read=None) -> "Session | None":
+        """This `train()` call's session (None when no logger is attached): its thread runs until `end`.
+        `schedules`: `apply(values, step)` setting each scheduled field's value; `guard_read`: a guard ->
+        `(origin, loss sum, count)`."""
+        loggers = self.loggers + check_loggers(extra)
+        if not loggers:
+            return None
+        start = Event("start", int(step), int(epoch), {}, hparams(experiment), time.time())
+        self.session = Session(loggers, [start, *self.pending], step, guard_read, schedules)
+        self.pending = []
+        return self.session
+
+    def end(self, session, err: BaseException | None, step: int, epoch: int):
+        """The call ended (`err`: how, when it did not finish): a stop event, then every event is delivered
+        and each logger flushed before this returns."""
+        if session is None:
+            return
+        self.session = None
+        if err is not None:
+            reason = ("interrupted (Ctrl-C or `run.stop()`)" if isinstance(err, KeyboardInterrupt)
+                      else f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+            session.put(Event("stop", int(step), int(epoch), {}, {"reason": reason}, time.time()))
+        session.close()
+
+
+class _Slot:
+    """One logger in a session: its step cadence, the next step it wants, whether it was detached."""
+
+    __slots__ = ("fn", "every", "next_at", "dead")
+
+    def __init__(self, fn):
+        self.fn, self.every, self.next_at, self.dead = fn, getattr(fn, "log_every", None), 0, False
+
+
+class Session:
+    """One `train()` call's logging: the loop's hooks (`next_at`, `step`) and the logger thread."""
+
+    def __init__(self, loggers, first: list, step: int, guard_read, schedules):
+        self.slots = [_Slot(fn) for fn in loggers]
+        everies = [s.every for s in self.slots if s.every]
+        self.every = math.gcd(*everies) if everies else None
+        self.guard_read = guard_read  # host guard -> (origin, loss sum, count) (`_training/_guard.py`)
+        self.schedules = schedules  # `binding.apply_schedules`, or None
+        self.queue = collections.deque(first)
+        self.steps_waiting = 0
+        self.dropped = 0
+        self.said: list = []  # (logger name, error) the loop has not said yet
+        self.last_step = (step, time.perf_counter())  # for steps/s between logged steps
+        self.block = (None, 0.0, 0)  # the guard origin and the loss sum, count at the last logged K block
+        self.closing = False
+        self.wake = threading.Event()
+        self.thread = threading.Thread(target=self._serve, name="nitro_ipy-loggers", daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------ the step loop's side
+    def next_at(self, step: int) -> int:
+        """The first step after `step` a logger wants (`NEVER` when none logs steps)."""
+        every = self.every
+        return NEVER if every is None else (step // every + 1) * every
+
+    def step(self, s, loss) -> int:
+        """A logged step of `s` (the loop's `StepState`), `loss` its loss on the device (None after a
+        K-step call): start the copy, queue it, return the next step to log at."""
+        value = loss if s.per_execution == 1 else jnp.copy(s.guard)  # the guard is donated to the next call
+        value.copy_to_host_async()
+        if self.steps_waiting < QUEUE:
+            self.steps_waiting += 1
+            self.queue.append((s.step, s.epoch, value, time.perf_counter(), time.time()))
+        else:
+            self.dropped += 1
+        if self.said:
+            self.say()
+        return (s.step // self.every + 1) * self.every
+
+    def epoch(self, row: dict, step: int, epoch: int, steps: int, seconds: float):
+        """An epoch row done (validated, checked for early stopping): its events."""
+        extra = {}
+        if seconds > 0 and steps > 0:
+            extra["train/steps_per_s"] = steps / seconds
+        extra.update(self._schedules(step))
+        for event in row_events(row, step, epoch, extra, time.time()):
+            self.put(event)
+        if self.said:
+            self.say()
+
+    def put(self, event: Event):
+        self.queue.append(event)
+
+    def say(self):
+        """The loggers detached since the last call, one line each (from the training thread, so a
+        background run collects it with its other messages)."""
+        said, self.said = self.said, []
+        for name, err in said:
+            _report.emit(_report.Kind.LOGGER, text=f"nitro_ipy.loggers: `{name}` raised {err}; it is detached "
+                                                   f"for the rest of this train() call, which goes on.")
+
+    def close(self):
+        self.closing = True
+        self.wake.set()
+        self.thread.join()
+        self.say()
+        if self.dropped:
+            _report.emit(_report.Kind.LOGGER, text=(
+                f"nitro_ipy.loggers: {self.dropped} step events were dropped: the loggers fell behind the "
+                f"steps ({QUEUE} were waiting). Fix: a larger `log_every`."))
+
+    # ------------------------------------------------------------ the logger thread's side
+    def _serve(self):
+        while True:
+            closing = self.closing
+            while self.queue:
+                item = self.queue.popleft()
+                if isinstance(item, Event):
+                    self._deliver(item)
+                else:
+                    self.steps_waiting -= 1
+                    self._deliver(self._step_event(*item))
+            self._flush()
+            if closing:
+                return
+            self.wake.wait(POLL)
+
+    def _step_event(self, step, epoch, value, clock, now) -> Event:
+        values = {}
+        if self.guard_read is None or getattr(value, "ndim", 0) == 0:
+            values["step/loss"] = float(value)
+        else:
+            origin, total, count = self.guard_read(value)
+            last_origin, last_total, last_count = self.block
+            if origin != last_origin:
+                last_total, last_count = 0.0, 0
+            self.block = (origin, total, count)
+            if count > last_count:
+                values["step/loss"] = (total - last_total) / (count - last_count)
+        last_step, last_clock = self.last_step
+        if step > last_step and clock > last_clock:
+            values["step/steps_per_s"] = (step - last_step) / (clock - last_clock)
+        self.last_step = (step, clock)
+        values.update(self._schedules(step))
+        return Event("step", int(step), int(epoch), values, {}, now)
+
+    def _schedules(self, step: int) -> dict:
+        """Each scheduled Device field's value at the step that brought the count to `step`."""
+        if self.schedules is None or step < 1:
+            return {}
+        values = {}
+        try:
+            self.schedules(values, step - 1)
+        except Exception:  # noqa: BLE001 - the step loop reports a failing schedule itself
+            return {}
+        return {f"schedule/{k}": x for k, v in values.items() if (x := scalar(v)) is not None}
+
+    def _deliver(self, event: Event):
+        for slot in self.slots:
+            if slot.dead:
+                continue
+            if event.kind == "step":
+                if slot.every is None or event.step < slot.next_at:
+                    continue
+                slot.next_at = (event.step // slot.every + 1) * slot.every
+            try:
+                slot.fn(event)
+            except Exception as err:  # noqa: BLE001 - a logger's fault never stops training
+                slot.dead = True
+                self.said.append((name_of(slot.fn), f"{type(err).__name__}: {err}"))
+
+    def _flush(self):
+        for slot in self.slots:
+            flush = getattr(slot.fn, "flush", None)
+            if slot.dead or flush is None:
+                continue
+            try:
+                flush()
+            except Exception as err:  # noqa: BLE001
+                slot.dead = True
+                self.said.append((name_of(slot.fn), f"{type(err).__name__}: {err}"))

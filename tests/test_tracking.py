@@ -1,0 +1,234 @@
+"""Experiment tracking (`nitro_ipy.loggers`): what each logger receives, read back from real files with
+each library's own reader (TensorBoard's event accumulator, MLflow's client, W&B's own record protobuf),
+foreground and background, with `steps_per_execution`, a raising logger, across a resume."""
+
+import glob
+import struct
+import sys
+import time
+
+import numpy as np
+import pytest
+from _experiments import Reg, data
+
+import nitro_ipy
+from nitro_ipy import Nitro, NitroTypeError
+from nitro_ipy._base import _report
+from nitro_ipy.loggers import Event, MLflow, TensorBoard, WandB
+
+TRAIN, VALID = data(64), data(32, 1)
+
+
+class Catch:
+    """A callable logger that keeps what it is told; `log_every` for the step events."""
+
+    def __init__(self, log_every=None):
+        self.log_every, self.events = log_every, []
+
+    def __call__(self, event):
+        self.events.append(event)
+
+    def kinds(self):
+        return [e.kind for e in self.events]
+
+    def at(self, kind, tag):
+        return [(e.step, e.values[tag]) for e in self.events if e.kind == kind and tag in e.values]
+
+
+@pytest.fixture
+def messages():
+    got = []
+    previous = _report.set_sink(got.append)
+    yield got
+    _report.set_sink(previous)
+
+
+def _handle(batch_size=16, **kw):
+    kw.setdefault("data", {"train": TRAIN, "valid": VALID})
+    return Nitro(Reg(), batch_size=batch_size, max_epochs=2, progress=False, seed=3, **kw)
+
+
+def test_a_callable_gets_the_epochs_validations_and_hyperparameters_as_floats():
+    log = Catch()
+    n = _handle(loggers=[log])
+    n.train()
+    assert [k for k in log.kinds() if k != "compile"] == ["start", "validation", "epoch", "validation", "epoch"]
+    start = log.events[0]
+    assert start.params == {"GraphConst/hidden": 8, "Device/lr": 0.01} and start.step == 0
+    assert log.at("epoch", "train/loss") == [(4, n.history[0]["loss"]), (8, n.history[1]["loss"])]
+    assert log.at("validation", "valid/loss") == [(4, n.history[0]["valid_loss"]), (8, n.history[1]["valid_loss"])]
+    assert all(type(v) is float for e in log.events for v in e.values.values())
+    assert sorted(list(e.values) for e in log.events if e.kind == "compile") == [["compile/eval"], ["compile/grad"],
+                                                                                 ["compile/opt"]]
+    assert "step" not in log.kinds()  # per epoch by default
+
+
+def test_log_every_counts_optimizer_steps_and_a_block_logs_its_mean_loss():
+    # 64 rows / 8 = 8 steps an epoch; with K=3: step 1 alone, blocks ending at 4 and 7, step 8 alone.
+    per_step, blocks = Catch(log_every=1), Catch(log_every=2)
+    _handle(batch_size=8, data={"train": TRAIN}, loggers=[per_step]).train(1)
+    _handle(batch_size=8, data={"train": TRAIN}, loggers=[blocks], steps_per_execution=3).train(1)
+    losses = dict(per_step.at("step", "step/loss"))
+    assert sorted(losses) == list(range(1, 9))
+    got = blocks.at("step", "step/loss")
+    assert [s for s, _ in got] == [4, 7, 8]  # the first step past each multiple of 2: true steps, not calls
+    want = [np.mean([losses[i] for i in range(1, 5)]), np.mean([losses[i] for i in (5, 6, 7)]), losses[8]]
+    np.testing.assert_allclose([v for _, v in got], want, rtol=1e-5)
+
+
+def test_a_raising_logger_is_detached_with_one_line_and_training_goes_on(messages):
+    calls = []
+
+    def broken(event):
+        calls.append(event.kind)
+        if event.kind == "validation":
+            raise ValueError("disk full")
+
+    good = Catch()
+    n = _handle(loggers=[broken, good])
+    n.train()
+    assert n.epoch == 2 and calls == ["start", "compile", "compile", "compile", "validation"]
+    assert [k for k in good.kinds() if k != "compile"] == ["start", "validation", "epoch", "validation", "epoch"]
+    said = [m.text for m in messages if m.kind == _report.Kind.LOGGER]
+    assert said == ["nitro_ipy.loggers: `test_a_raising_logger_is_detached_with_one_line_and_training_goes_on"
+                    ".<locals>.broken` raised ValueError: disk full; it is detached for the rest of this "
+                    "train() call, which goes on."]
+
+
+def test_a_background_run_logs_as_the_foreground_does_and_a_stop_is_logged():
+    fg, bg = Catch(log_every=2), Catch(log_every=2)
+    _handle().train(loggers=[fg])
+    n = _handle()
+    run = n.train(background=True, loggers=[bg])
+    run.wait()
+    strip = lambda log: [(e.kind, e.step, e.epoch, sorted(e.values)) for e in log.events if e.kind != "compile"]
+    assert strip(bg) == strip(fg)
+    assert bg.at("epoch", "train/loss") == fg.at("epoch", "train/loss")
+    stopped = Catch()
+    n = _handle(data={"train": data(4096)})
+    run = n.train(10, background=True, loggers=[stopped])
+    run.stop()
+    run.wait()
+    assert stopped.events[-1].kind == "stop" and stopped.events[-1].step == n.step
+    assert stopped.events[-1].params == {"reason": "interrupted (Ctrl-C or `run.stop()`)"}
+
+
+def test_loggers_are_checked_at_setup():
+    with pytest.raises(NitroTypeError, match="got `str` 'runs/a' at position 0"):
+        Nitro(Reg(), data={"train": TRAIN}, loggers=["runs/a"])
+    with pytest.raises(nitro_ipy.NitroValueError, match="`log_every` is a number of optimizer steps.*; got 0"):
+        Nitro(Reg(), data={"train": TRAIN}, loggers=[Catch(log_every=0)])
+
+
+def test_a_missing_tracker_library_is_one_line_naming_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)
+    with pytest.raises(ImportError) as err:
+        TensorBoard("runs")
+    assert str(err.value) == ("`nitro_ipy.loggers.TensorBoard` writes with `tensorboardX`, which is not installed. "
+                              "Fix: `pip install nitro_ipy[tensorboard]`.")
+
+
+# ------------------------------------------------------------------ TensorBoard, read by TensorBoard itself
+def _tensorboard(logdir):
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    acc = accumulator.EventAccumulator(str(logdir), size_guidance={accumulator.SCALARS: 0, accumulator.TENSORS: 0})
+    acc.Reload()
+    return acc
+
+
+def test_tensorboard_scalars_hparams_and_a_resume_that_continues_the_curves(tmp_path):
+    pytest.importorskip("tensorboardX")
+    logdir = tmp_path / "run"
+    n = _handle(loggers=[TensorBoard(logdir, log_every=1)])
+    n.train(1)
+    path = n.save(tmp_path / "ckpt")
+    resumed = _handle(resume=path, loggers=[TensorBoard(logdir, log_every=1)])
+    resumed.train(1)
+    acc = _tensorboard(logdir)
+    scalars = lambda tag: [(s.step, s.value) for s in acc.Scalars(tag)]
+    assert [s for s, _ in scalars("step/loss")] == list(range(1, 9))  # on at step 5 after the resume
+    assert scalars("train/loss") == [(4, pytest.approx(n.history[0]["loss"])),
+                                     (8, pytest.approx(resumed.history[1]["loss"]))]
+    assert [s for s, _ in scalars("valid/loss")] == [4, 8]
+    assert scalars("events/resume") == [(4, 1.0)]
+    assert {"compile/grad", "compile/opt", "compile/eval", "step/steps_per_s", "train/steps_per_s"} <= set(
+        acc.Tags()["scalars"])
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    content = acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    info = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
+    assert {k: (v.number_value or v.string_value) for k, v in info.hparams.items()} == {
+        "GraphConst/hidden": 8.0, "Device/lr": pytest.approx(0.01)}
+
+
+# ------------------------------------------------------------------ MLflow, a local file store
+def test_mlflow_logs_metrics_and_params_to_a_file_store(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store, in maintenance
+    from mlflow.tracking import MlflowClient
+
+    uri = (tmp_path / "mlruns").as_uri()
+    logger = MLflow("tiny", tracking_uri=uri, log_every=2)
+    n = _handle(loggers=[logger], steps_per_execution=3)
+    n.train()
+    logger.close()
+    client = MlflowClient(uri)
+    run = client.get_run(logger.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {"GraphConst.hidden": "8", "Device.lr": "0.01"}
+    history = lambda tag: [(m.step, m.value) for m in client.get_metric_history(logger.run_id, tag)]
+    assert history("train/loss") == [(4, pytest.approx(n.history[0]["loss"])), (8, pytest.approx(n.history[1]["loss"]))]
+    assert [s for s, _ in history("step/loss")] == [4, 8]  # step 1 alone, then one K=3 block: steps 2-4
+
+
+# ------------------------------------------------------------------ W&B offline, its own record format
+def _wandb_records(path):
+    """The records of a W&B run file (`run-<id>.wandb`): a LevelDB-style log of W&B's own `Record`
+    protobufs (a 7-byte header, then 32 KiB blocks of chunks: crc32, length, type)."""
+    from wandb.proto import wandb_internal_pb2
+
+    raw = open(path, "rb").read()
+    assert raw[:4] == b":W&B"
+    pos, block, out, pending = 7, 32768, [], b""
+    while pos + 7 <= len(raw):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        chunk, pos = raw[pos + 7:pos + 7 + length], pos + 7 + length
+        pending += chunk
+        if kind in (1, 4):  # FULL, LAST
+            out.append(wandb_internal_pb2.Record.FromString(pending))
+            pending = b""
+        elif kind == 0:
+            break
+    return out
+
+
+def test_wandb_offline_run_holds_the_config_and_history(tmp_path, monkeypatch, messages):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")  # W&B's console capture fails under pytest's
+    logger = WandB("tiny", dir=str(tmp_path))
+    n = _handle(loggers=[logger])
+    n.train()
+    logger.close()
+    assert [m.text for m in messages if m.kind == _report.Kind.LOGGER] == []
+    (path,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    for _ in range(100):  # W&B's own process may still be writing the file when `finish()` returns
+        records = _wandb_records(path)
+        if "exit" in [r.WhichOneof("record_type") for r in records]:
+            break
+        time.sleep(0.1)
+    rows = [{i.key or "/".join(i.nested_key): i.value_json for i in r.history.item} for r in records
+            if r.WhichOneof("record_type") == "history"]
+    loss = [(int(r["_step"]), float(r["train/loss"])) for r in rows if "train/loss" in r]
+    assert loss == [(4, pytest.approx(n.history[0]["loss"])), (8, pytest.approx(n.history[1]["loss"]))]
+    config = {i.key: i.value_json for r in records if r.WhichOneof("record_type") == "config" for i in r.config.update}
+    assert config["GraphConst/hidden"] == "8" and float(config["Device/lr"]) == pytest.approx(0.01)
+
+
+def test_an_event_reads_as_one_line():
+    e = Event("epoch", 8, 2, {"train/loss": 0.25}, {"stopped": "patience"})
+    assert e.text() == "epoch at step 8 (epoch 2): train/loss=0.25, stopped=patience"
