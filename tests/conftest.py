@@ -37,7 +37,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 # (whole-product runs of what the per-feature tests check on every Python). The recorder, fingerprints,
 # closures, staleness, trace reuse, the program store and everything else run on each.
 ONCE_PER_CI = ("test_browser.py", "test_export.py", "test_sharding.py", "test_checkpoint.py", "test_savehook.py",
-               "test_models.py", "test_docs.py", "test_digits_notebook.py")
+               "test_models.py", "test_docs.py", "test_digits_notebook.py", "test_tracking.py")
 
 
 def pytest_collection_modifyitems(config, items):

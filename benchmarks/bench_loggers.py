@@ -1,0 +1,112 @@
+"""Benchmark: the steady step time with each logger at `log_every=1`, against no logger (issue 47).
+
+The tiny MLP (4-32-1, batch 32: dispatch-bound, where a stall on the step path shows most) trains one
+epoch a round on each side, sides interleaved in one process (`_harness.interleaved`); a side's figure is
+ms/step, the ratio the median over rounds of logger epoch / adjacent no-logger epoch. Each side is its
+own handle on the same cached programs. Sides: a callable that keeps the events (the step path's cost
+alone: an async copy and an append), TensorBoard, MLflow (a file store), W&B (offline), each whose
+library is installed. Target: <= 1.05x.
+
+Usage:
+    python3 benchmarks/bench_loggers.py            # full run
+    python3 benchmarks/bench_loggers.py --quick    # smoke run: fewer rounds, shorter epochs
+    python3 benchmarks/bench_loggers.py --json out.json
+"""
+
+import dataclasses
+import importlib.util
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _harness as H  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from _harness import log  # noqa: E402
+
+from nitro_ipy import Device, GraphConst, Nitro  # noqa: E402
+from nitro_ipy import loggers as L  # noqa: E402
+
+
+@dataclasses.dataclass
+class Tiny:
+    hidden: GraphConst[int] = 32
+    lr: Device[float] = 1e-3
+
+    def init(self, rng):
+        k1, k2 = jax.random.split(rng)
+        return {"w1": jax.random.normal(k1, (4, self.hidden)) * 0.5, "w2": jax.random.normal(k2, (self.hidden,)) * 0.5}
+
+    def forward(self, params, *, x):
+        return jnp.tanh(x @ params["w1"]) @ params["w2"]
+
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+
+    def optimizer(self):
+        return optax.adam(self.lr)
+
+
+class Keep:
+    log_every = 1
+
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self, event):
+        self.n += 1
+
+
+def main(argv=None) -> int:
+    H.parse_args(__doc__, argv)
+    steps, rounds = (500, 5) if H.quick() else (2000, 11)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(steps * 32, 4)).astype(np.float32)
+    data = {"train": {"x": x, "y": np.sin(x.sum(1)).astype(np.float32)}}
+    tmp = tempfile.mkdtemp(prefix="bench_loggers_")
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_CONSOLE="off")
+    makers = {"none": lambda: [], "callable": lambda: [Keep()]}
+    if importlib.util.find_spec("tensorboardX"):
+        makers["tensorboard"] = lambda: [L.TensorBoard(os.path.join(tmp, "tb"), log_every=1)]
+    if importlib.util.find_spec("mlflow"):
+        makers["mlflow"] = lambda: [L.MLflow("bench", tracking_uri="file:" + os.path.join(tmp, "mlruns"), log_every=1)]
+    if importlib.util.find_spec("wandb"):
+        makers["wandb"] = lambda: [L.WandB("bench", dir=tmp, log_every=1)]
+    handles = {name: Nitro(Tiny(), data=data, batch_size=32, progress=False, loggers=make())
+               for name, make in makers.items()}
+    for n in handles.values():  # compile, open each writer (W&B's init is seconds), warm
+        n.train(1)
+
+    def side(n):
+        def run():
+            t = time.perf_counter()
+            n.train(1)  # the call's end waits for the logger thread: its cost is in the figure
+            return (time.perf_counter() - t) / steps * 1e3
+        return run
+
+    names = list(handles)
+    times = H.interleaved(rounds, *(side(handles[k]) for k in names))
+    base = times[0]
+    res, rows = {"steps_per_epoch": steps, "rounds": rounds}, []
+    log(H.env_line())
+    for name, t in zip(names, times):
+        res[name] = {"ms_per_step": float(np.median(t))}
+        log(f"{name:>12}: {np.median(t):.4f} ms/step")
+        if name != "none":
+            ratio = H.paired_ratio(t, base)
+            res[name]["ratio"] = ratio
+            rows.append(H.at_most(f"{name} at log_every=1 / no logger (steady step)", ratio, 1.05))
+    for n in handles.values():
+        for logger in n._tracking.loggers:
+            getattr(logger, "close", lambda: None)()
+    return H.finish(res, rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
