@@ -63,7 +63,7 @@ def test_a_callable_gets_the_epochs_validations_and_hyperparameters_as_floats():
     assert "step" not in log.kinds()  # per epoch by default
 
 
-def test_log_every_counts_optimizer_steps_and_a_block_logs_its_mean_loss():
+def test_log_every_counts_optimizer_steps_and_a_block_logs_its_mean_loss(messages):
     # 64 rows / 8 = 8 steps an epoch; with K=3: step 1 alone, blocks ending at 4 and 7, step 8 alone.
     per_step, blocks = Catch(log_every=1), Catch(log_every=2)
     _handle(batch_size=8, data={"train": TRAIN}, loggers=[per_step]).train(1)
@@ -74,6 +74,7 @@ def test_log_every_counts_optimizer_steps_and_a_block_logs_its_mean_loss():
     assert [s for s, _ in got] == [4, 7, 8]  # the first step past each multiple of 2: true steps, not calls
     want = [np.mean([losses[i] for i in range(1, 5)]), np.mean([losses[i] for i in (5, 6, 7)]), losses[8]]
     np.testing.assert_allclose([v for _, v in got], want, rtol=1e-5)
+    assert [m.text for m in messages if m.kind == _report.Kind.LOGGER] == []  # none dropped, none lost
 
 
 def test_a_raising_logger_is_detached_with_one_line_and_training_goes_on(messages):
@@ -111,6 +112,25 @@ def test_a_background_run_logs_as_the_foreground_does_and_a_stop_is_logged():
     run.wait()
     assert stopped.events[-1].kind == "stop" and stopped.events[-1].step == n.step
     assert stopped.events[-1].params == {"reason": "interrupted (Ctrl-C or `run.stop()`)"}
+
+
+def test_checkpoints_a_stale_program_and_a_rebuild_are_logged_in_order(tmp_path, messages):
+    from nitro_ipy._compiler import _cache
+
+    log = Catch()
+    n = _handle(data={"train": TRAIN}, loggers=[log], checkpoint_dir=tmp_path, checkpoint_every=1)
+    n.train(1)
+    (grad,) = [e for e in n._programs.values() if e.kind == "grad"]
+    _cache.poison(grad, ["__main__.f"])  # as an edit of a helper the gradient program ran would
+    n.train(1)
+    n = n.rebuild()
+    n.train(1)
+    said = [(e.kind, e.step, e.params.get("path") or e.params.get("names")) for e in log.events
+            if e.kind in ("start", "checkpoint", "stale", "rebuild")]
+    ckpt = lambda step: str(tmp_path / f"step-{step:08d}.nitro.npz")
+    assert said == [("start", 0, None), ("checkpoint", 4, ckpt(4)),
+                    ("start", 4, None), ("stale", 4, "__main__.f"), ("checkpoint", 8, ckpt(8)),
+                    ("start", 8, None), ("rebuild", 8, None), ("checkpoint", 12, ckpt(12))]
 
 
 def test_loggers_are_checked_at_setup():

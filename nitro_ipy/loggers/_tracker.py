@@ -200,7 +200,12 @@ class Session:
                     self._deliver(item)
                 else:
                     self.steps_waiting -= 1
-                    self._deliver(self._step_event(*item))
+                    try:
+                        event = self._step_event(*item)
+                    except Exception:  # noqa: BLE001 - a value that cannot be read (a deleted buffer) is lost,
+                        self.dropped += 1  # counted with the dropped ones, never the thread's end
+                        continue
+                    self._deliver(event)
             self._flush()
             if closing:
                 return
