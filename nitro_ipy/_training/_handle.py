@@ -107,6 +107,9 @@ class Nitro:
       two per-step ones, which still run each epoch's first step and the steps left over when K does not
       divide the rest. Results equal the per-step loop's (same rng, schedules, skipped steps); Ctrl-C and
       `run.stop()` land between calls, every K steps. One device only (no `mesh`).
+    - `loggers`: experiment trackers told what training does (`nitro_ipy.loggers.TensorBoard(logdir)`,
+      `WandB(...)`, `MLflow(...)`, or any callable `(event) -> None`), per epoch or every `log_every`
+      steps, from a logger thread: see docs/tracking.md.
     """
 
     def __init__(
