@@ -145,3 +145,15 @@ def test_screenshots_are_written(seen):
             "stale-cell-live-dark.png", "unclicked-live-dark.png", "progress-live-dark.png",
             "saved-live-dark.png"} <= set(names)
     assert WIDTH == 800
+
+
+def test_tensorboard_shows_a_run_nitro_ipy_logged(tmp_path):
+    # `nitro_ipy.loggers.TensorBoard`'s files, served by TensorBoard itself and drawn in Chromium: the
+    # scalars a person opens first (tools/screenshots.py keeps the picture as docs/images/tensorboard.png).
+    pytest.importorskip("playwright", reason="the `browser` extra: pip install -e '.[browser]'")
+    pytest.importorskip("tensorboard", reason="the `tracking` extra: pip install -e '.[tracking]'")
+    from _tensorboard_page import tensorboard_shot
+
+    seen = tensorboard_shot(tmp_path / "tensorboard.png")
+    assert seen["tags"] == ["train/loss", "valid/loss", "step/loss"]
+    assert (tmp_path / "tensorboard.png").stat().st_size > 20_000  # a drawn page, not a blank one

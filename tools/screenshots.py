@@ -17,17 +17,20 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from _browser import walkthrough  # noqa: E402  (the test's own driver: the docs show what it checks)
+from _tensorboard_page import tensorboard_shot  # noqa: E402  (docs/tracking.md's picture, the same way)
 
 # Light and dark of the live notebook (the dark ones switched live, the kernel running), and the reopened
 # dark cell (a fresh kernel: what a saved notebook shows).
 KEEP = ("stale-cell-light.png", "stale-cell-live-dark.png", "stale-cell-dark.png", "unclicked-light.png",
         "unclicked-live-dark.png", "panel-light.png", "panel-live-dark.png", "stats-light.png",
-        "stats-live-dark.png", "progress-light.png", "progress-live-dark.png", "saved-live-dark.png")
+        "stats-live-dark.png", "progress-light.png", "progress-live-dark.png", "saved-live-dark.png",
+        "tensorboard.png")
 
 
 def main() -> int:
     shots = Path(tempfile.mkdtemp(prefix="nitro-shots-"))
     facts = walkthrough(shots)
+    facts["tensorboard"] = tensorboard_shot(shots / "tensorboard.png")
     pprint.pprint(facts)
     out = ROOT / "docs" / "images"
     out.mkdir(parents=True, exist_ok=True)
