@@ -206,6 +206,9 @@ class Session:
                         self.dropped += 1  # counted with the dropped ones, never the thread's end
                         continue
                     self._deliver(event)
+                # The GIL back after each event: the step loop releases it in every dispatch, and a thread
+                # holding it would make the loop wait up to the switch interval (5 ms) to take it back.
+                time.sleep(0)
             self._flush()
             if closing:
                 return
