@@ -1,7 +1,7 @@
 """A handle's loggers, and the thread that feeds them while a `train()` call runs.
 
 The step path pays an int comparison a step, and at a logged step (`log_every=k`) an asynchronous device
--> host copy of one value (`copy_to_host_async`) and an append to a bounded deque: no host callback in
+-> host copy of one value (`copy_to_host_async`, on an accelerator) and an append to a bounded deque: no host callback in
 the compiled step, no blocking transfer, no lock. The logger thread wakes a few times a second, turns
 the values into floats (the copies have landed by then) and calls the loggers. When they cannot keep up,
 step events past `QUEUE` are dropped and counted (said once, at the call's end); epoch, validation and
@@ -18,6 +18,7 @@ import math
 import threading
 import time
 
+import jax
 import jax.numpy as jnp
 
 from .._base import _report
@@ -133,6 +134,9 @@ class Session:
         self.said: list = []  # (logger name, error) the loop has not said yet
         self.last_step = (step, time.perf_counter())  # for steps/s between logged steps
         self.block = (None, 0.0, 0)  # the guard origin and the loss sum, count at the last logged K block
+        # On an accelerator the value's copy to the host starts at once, so the logger thread finds it there;
+        # on the CPU the buffer is host memory already, and the call costs 5-6 us of the loop's CPU a step.
+        self.copy = jax.default_backend() != "cpu"
         self.closing = False
         self.wake = threading.Event()
         self.thread = threading.Thread(target=self._serve, name="nitro_ipy-loggers", daemon=True)
@@ -148,7 +152,8 @@ class Session:
         """A logged step of `s` (the loop's `StepState`), `loss` its loss on the device (None after a
         K-step call): start the copy, queue it, return the next step to log at."""
         value = loss if s.per_execution == 1 else jnp.copy(s.guard)  # the guard is donated to the next call
-        value.copy_to_host_async()
+        if self.copy:
+            value.copy_to_host_async()
         if self.steps_waiting < QUEUE:
             self.steps_waiting += 1
             self.queue.append((s.step, s.epoch, value, time.perf_counter(), time.time()))
