@@ -138,6 +138,10 @@ def test_loggers_are_checked_at_setup():
         Nitro(Reg(), data={"train": TRAIN}, loggers=["runs/a"])
     with pytest.raises(nitro_ipy.NitroValueError, match="`log_every` is a number of optimizer steps.*; got 0"):
         Nitro(Reg(), data={"train": TRAIN}, loggers=[Catch(log_every=0)])
+    n = _handle()
+    with pytest.raises(NitroTypeError, match="got `int` 3 at position 0"):  # at the call, not in the run's thread
+        n.train(background=True, loggers=[3])
+    assert n._run is None and n.step == 0
 
 
 def test_a_missing_tracker_library_is_one_line_naming_the_extra(monkeypatch):

@@ -435,6 +435,7 @@ class Nitro:
         split = train_split(self)  # the device-resident copy (placed once per handle), or the split
         fields = sorted(set(b.routes["forward"].pick(split)) | set(b.routes["loss"].pick(split)))
         epochs = self.max_epochs if epochs is None else epochs
+        loggers = Tracker(loggers).loggers  # checked here, not in a background run's thread
         control = _runs.RunControl(self, steps, quiet=background)
         work = lambda: self._train_epochs(control, split, fields, steps, epochs, loggers)  # noqa: E731
         if background:

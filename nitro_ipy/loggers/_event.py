@@ -68,14 +68,20 @@ def hparams(e) -> dict:
     Numbers and strings stay as they are; anything else (a dataset, a model definition) is its short repr."""
     out = {}
     for name, kind in field_kinds(e).items():
-        value = getattr(e, name, None)
-        if isinstance(value, (bool, str)) or (isinstance(value, numbers.Real) and not isinstance(value, np.ndarray)):
-            out[f"{kind}/{name}"] = value if isinstance(value, (bool, str, int)) else float(value)
-        elif (number := scalar(value)) is not None and np.ndim(value) == 0:
-            out[f"{kind}/{name}"] = number
-        else:
-            out[f"{kind}/{name}"] = short_repr(value)
+        try:
+            out[f"{kind}/{name}"] = _hparam(getattr(e, name, None))
+        except Exception:  # noqa: BLE001 - a value whose repr fails is named, never a failed train()
+            out[f"{kind}/{name}"] = "<unprintable>"
     return out
+
+
+def _hparam(value):
+    """A field's value as a hyperparameter: a number or string as it is, anything else its short repr."""
+    if isinstance(value, (bool, str)) or (isinstance(value, numbers.Real) and not isinstance(value, np.ndarray)):
+        return value if isinstance(value, (bool, str, int)) else float(value)
+    if (number := scalar(value)) is not None and np.ndim(value) == 0:
+        return number
+    return short_repr(value)
 
 
 def row_events(row: dict, step: int, epoch: int, extra: dict, now: float) -> list:
