@@ -202,6 +202,16 @@ def test_an_old_temp_file_of_a_live_pid_or_another_host_goes_only_when_stale(tmp
     assert sorted(name for name, _ in gone) == sorted([old_legacy.name, old_other.name])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([fresh_other.name, mine.name])
 
+    writer = subprocess.Popen(["sleep", "60"])  # another live process of this host: its file stays
+    try:
+        theirs = tmp_path / f".tmp-{writer.pid}@{_writes.temp_prefix().split('@', 1)[1]}jkl.part"
+        theirs.write_bytes(b"being written")
+        assert _writes.sweep(str(tmp_path)) == [] and theirs.exists()
+    finally:
+        writer.kill()
+        writer.wait()
+    assert _writes.sweep(str(tmp_path)) == [(theirs.name, 13)]  # gone with its writer
+
 
 # ---------------------------------------------------------------- truncated JAX cache files
 def test_truncated_and_empty_jax_cache_files_are_removed_before_jax_reads_them(tmp_path):
