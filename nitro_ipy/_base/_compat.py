@@ -329,6 +329,32 @@ def enable_jax_compilation_cache(path: str, max_bytes: int = -1) -> bool:
     return True
 
 
+def use_jax_cache(cache) -> bool:
+    """Make `cache` (an object with JAX's `get(key)` and `put(key, value)`) the one JAX's persistent
+    compilation cache reads and writes, in place of the file cache JAX would make on its first compile
+    (`jax._src.compilation_cache._cache`, the same in JAX 0.10 to 0.12). Returns False where this JAX
+    keeps its cache elsewhere (its own file cache then serves)."""
+    try:
+        from jax._src import compilation_cache as cc
+
+        with cc._cache_initialized_mutex:
+            cc._cache = cache
+            cc._cache_initialized = True
+        return True
+    except Exception:
+        return False
+
+
+def jax_cache():
+    """The cache object JAX's persistent compilation cache uses now (None before its first compile)."""
+    try:
+        from jax._src import compilation_cache as cc
+
+        return cc._cache
+    except Exception:
+        return None
+
+
 # XLA:CPU cannot serialize an executable that was itself deserialized: the copy loads, then fails on its
 # first run with `NOT_FOUND: Function <fusion> not found`. JAX's persistent cache (on for setup's eager
 # operations, `enable_jax_compilation_cache`) hands out deserialized executables, so a program of ours
