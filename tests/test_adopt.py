@@ -33,25 +33,27 @@ DECORATORS = {
 }
 IMPORTS = {"jax": "", "eqx": "import equinox as eqx\n", "nnx": "from flax import nnx\n"}
 
-# (id, definitions, f's parameters, f's body, the call's arguments, the edit, what the line names, kind)
+# (id, definitions, f's parameters, f's body, the call's arguments, the edit, what the line names and the
+# path to it from `f<i>` (through `body<i>`), kind)
 CORPUS = [
     ("two-levels", "def inner(z):\n    return z * 1.0\ndef act(z):\n    return inner(z) + 0.0\n",
-     "x", "act(x)", "X", "def inner(z):\n    return z * 3.0\n", "__main__.inner", "plain"),
-    ("global-constant", "SCALE = 1.0\n", "x", "x * SCALE", "X", "SCALE = 3.0", "__main__.SCALE", "plain"),
+     "x", "act(x)", "X", "def inner(z):\n    return z * 3.0\n", "__main__.inner", "act → inner", "plain"),
+    ("global-constant", "SCALE = 1.0\n", "x", "x * SCALE", "X", "SCALE = 3.0", "__main__.SCALE", "SCALE", "plain"),
     ("rebound-closure", "def make(s):\n    def scaled(z):\n        return z * s\n    return scaled\nact = make(1.0)\n",
-     "x", "act(x)", "X", "act = make(3.0)", "__main__.act", "plain"),
-    ("lambda", "act = lambda z: z * 1.0\n", "x", "act(x)", "X", "act = lambda z: z * 3.0", "__main__.act", "plain"),
+     "x", "act(x)", "X", "act = make(3.0)", "__main__.act", "act", "plain"),
+    ("lambda", "act = lambda z: z * 1.0\n", "x", "act(x)", "X", "act = lambda z: z * 3.0", "__main__.act", "act", "plain"),
     ("vmap", "def act(z):\n    return z * 1.0\n", "x", "jax.vmap(act)(x)", "X",
-     "def act(z):\n    return z * 3.0\n", "__main__.act", "plain"),
+     "def act(z):\n    return z * 3.0\n", "__main__.act", "act", "plain"),
     ("scan", "def act(z):\n    return z * 1.0\ndef step(c, z):\n    return c, act(z)\n",
-     "x", "lax.scan(step, 0.0, x)[1]", "X", "def act(z):\n    return z * 3.0\n", "__main__.act", "plain"),
-    ("array-in-place", "W = np.ones(3, np.float32)\n", "x", "x * W", "X", "W[:] = 3.0", "__main__.W", "plain"),
+     "x", "lax.scan(step, 0.0, x)[1]", "X", "def act(z):\n    return z * 3.0\n", "__main__.act", "step → act",
+     "plain"),
+    ("array-in-place", "W = np.ones(3, np.float32)\n", "x", "x * W", "X", "W[:] = 3.0", "__main__.W", "W", "plain"),
     ("pytree", "def act(z):\n    return z * 1.0\n", "t", "act(t['a']) + t['b'][0]",
-     "{'a': X, 'b': (X, X)}", "def act(z):\n    return z * 3.0\n", "__main__.act", "plain"),
+     "{'a': X, 'b': (X, X)}", "def act(z):\n    return z * 3.0\n", "__main__.act", "act", "plain"),
     ("static", "def act(z):\n    return z * 1.0\n", "x, n", "act(x) * n", "X, n=2",
-     "def act(z):\n    return z * 3.0\n", "__main__.act", "static"),
+     "def act(z):\n    return z * 3.0\n", "__main__.act", "act", "static"),
     ("donation", "def act(z):\n    return z * 1.0\n", "x", "act(x) + 1.0", "jnp.ones(3)",
-     "def act(z):\n    return z * 3.0\n", "__main__.act", "donate"),
+     "def act(z):\n    return z * 3.0\n", "__main__.act", "act", "donate"),
 ]
 NO_OPS = [
     ("rerun", "def act(z):\n    return z * SCALE\n"),  # the helper's cell re-run, unchanged
@@ -90,7 +92,7 @@ def ip(tmp_path):
 
 
 def run(ip, capsys, source: str) -> str:
-    result = ip.run_cell(textwrap.dedent(source))
+    result = ip.run_cell(textwrap.dedent(source), store_history=True)  # as a notebook does: `In [n]`
     out = capsys.readouterr().out
     assert result.error_in_exec is None and result.error_before_exec is None, out
     return out
@@ -121,19 +123,21 @@ def jitted(lib: str, kind: str, params: str, body: str, name: str = "f") -> str:
 def test_the_corpus_of_stale_making_edits(ip, capsys, lib):
     _lib(lib)
     run(ip, capsys, HEAD + IMPORTS[lib])
-    for i, (case, defs, params, body, args, edit, changed, kind) in enumerate(CORPUS):
+    for i, (case, defs, params, body, args, edit, changed, path, kind) in enumerate(CORPUS):
         where, f, b, start = f"{lib}/{case}", f"f{i}", f"body{i}", traces(ip)
         run(ip, capsys, defs + jitted(lib, kind, params, body, f))
         assert type(ip.user_ns[f]).__name__ != "PjitFunction", where
         out = run(ip, capsys, f"before = {f}({args})")
         assert nitro_lines(out) == [] and traces(ip) == start + 1, (where, out)
+        cell = ip.execution_count
         out = run(ip, capsys, edit)
         assert nitro_lines(out) == [], (where, out)
         out = run(ip, capsys, f"after = {f}({args}); expected = {b}({args})")
         lines = nitro_lines(out)
         assert len(lines) == 1 and traces(ip) == start + 2, (where, out)
         match = compile_line(f).match(lines[0])
-        assert match is not None and match.group(1) == f"recompiling against edited code: {changed}", (where, lines)
+        said = f"recompiling against edited code: {changed} (In [{cell}]; {f} → {b} → {path})"
+        assert match is not None and match.group(1) == said, (where, lines)
         np.testing.assert_allclose(ip.user_ns["after"], ip.user_ns["expected"], rtol=1e-6, err_msg=where)
         assert not np.allclose(ip.user_ns["after"], ip.user_ns["before"]), where  # the edit moved the result
         out = run(ip, capsys, f"again = {f}({args})")
@@ -168,11 +172,13 @@ def test_a_model_whose_call_reads_an_edited_helper(ip, capsys, lib, model):
     run(ip, capsys, HEAD + IMPORTS[lib] + "def act(z):\n    return z * 1.0\n" + MODELS[model]
         + jitted(lib, "plain", "m, x", "m(x) + 1.0"))
     run(ip, capsys, "before = f(model, X)")
+    cell = ip.execution_count
     run(ip, capsys, "def act(z):\n    return z * 3.0\n")
     out = run(ip, capsys, "after = f(model, X); expected = body(model, X)")
     lines = nitro_lines(out)
     assert len(lines) == 1 and traces(ip) == 2, out
-    assert compile_line("f").match(lines[0]).group(1) == "recompiling against edited code: __main__.act", lines
+    assert compile_line("f").match(lines[0]).group(1) == (
+        f"recompiling against edited code: __main__.act (In [{cell}]; f → … → Model.__call__ → act)"), lines
     np.testing.assert_allclose(ip.user_ns["after"], ip.user_ns["expected"], rtol=1e-6)
     np.testing.assert_allclose(ip.user_ns["after"], 3.0 * np.asarray(ip.user_ns["before"]) - 2.0, rtol=1e-6)
 
@@ -195,7 +201,7 @@ def test_a_module_file_reloaded_and_autoreloaded(ip, capsys, tmp_path, lib):
     run(ip, capsys, "importlib.reload(adoptmod)")
     out = run(ip, capsys, "after = f(X)")
     assert [compile_line("f").match(line).group(1) for line in nitro_lines(out)] == [
-        "recompiling against edited code: adoptmod.act"], out
+        "recompiling against edited code: adoptmod.act (adoptmod.py:1; f → body → act)"], out
     np.testing.assert_allclose(ip.user_ns["after"], 3.0 * np.asarray(ip.user_ns["before"]), rtol=1e-6)
     run(ip, capsys, "%load_ext autoreload\n%autoreload 2")
     try:
