@@ -7,6 +7,7 @@ naming what was jitted before."""
 import gc
 import os
 import re
+import subprocess
 import sys
 import textwrap
 
@@ -306,11 +307,24 @@ def test_through_a_real_kernel():
             km.shutdown_kernel(now=True)
 
 
-def test_stats_list_the_adopted_functions_by_name(ip, capsys):
-    run(ip, capsys, HEAD + "@jax.jit\ndef step(x):\n    return x + 1\nstep(X); step(X); step(X)")
+@pytest.mark.parametrize("lib", ["jax", "eqx", "nnx"])
+def test_stats_list_the_adopted_functions_by_name(ip, capsys, lib):
+    _lib(lib)
+    run(ip, capsys, HEAD + IMPORTS[lib] + f"{DECORATORS[lib]['plain']}\ndef step(x):\n    return x + 1\n"
+        "step(X); step(X); step(X)")
     out = run(ip, capsys, "%nitro_stats")
     assert "nitro_ipy cache: hits 2 | misses 1 | entries 1 |" in out, out
-    assert re.search(r"^jit\s+__main__\.step\s+x\[3\]\s+[\d.]+\s+[\d.]+\s+2\s+live$", out, re.M), out
+    assert re.search(r"^jit\s+__main__\.step\s+\S+\s+[\d.]+\s+[\d.]+\s+2\s+live$", out, re.M), out
+
+
+def test_an_equinox_imported_after_the_switch_is_honest_too():
+    code = ("import sys, nitro_ipy; nitro_ipy.set_honest_jit(True); assert 'equinox' not in sys.modules\n"
+            "import equinox as eqx; assert eqx.filter_jit.__nitro_honest__\n"
+            "nitro_ipy.set_honest_jit(False); assert not hasattr(eqx.filter_jit, '__nitro_honest__'); print('ok')")
+    pytest.importorskip("equinox")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.stdout == "ok\n", out.stderr
 
 
 def test_jax_jit_of_a_user_function_keeps_jax_s_api(ip, capsys):
