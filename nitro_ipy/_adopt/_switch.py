@@ -119,7 +119,8 @@ def user_function(fun):
 
 def _qualified(fun) -> str:
     base = user_function(fun) or fun
-    return f"{getattr(base, '__module__', None) or '?'}.{getattr(base, '__qualname__', None) or type(base).__qualname__}"
+    qualname = getattr(base, "__qualname__", None) or type(base).__qualname__
+    return f"{getattr(base, '__module__', None) or '?'}.{qualname}"
 
 
 # ---------------------------------------------------------------- jax.jit

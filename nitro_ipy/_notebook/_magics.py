@@ -1,9 +1,12 @@
-"""`NitroMagics`: `%nitro_stats`, `%nitro_reset`, `%nitro_panel`, and the state of one load of the extension.
+"""`NitroMagics`: `%nitro_stats`, `%nitro_reset`, `%nitro_panel`, `%nitro_ahead`, `%nitro_honest_jit`, and
+the state of one load of the extension.
 
 As IPython's `AutoreloadMagics` owns its reloader, the magics object owns what one `%load_ext nitro_ipy`
 set up: its cell callbacks (`pre_run_cell`, `post_run_cell`, methods of it), the rich message sink, the
 live panel and the file watch set. `_extension.load` registers them; `close` undoes what the object set up.
 
+- `start` makes `jax.jit` honest (`_adopt`) and names the user's functions jitted before; `close` puts
+  the originals back;
 - `pre_run_cell` bumps the world counter, so a redefinition in a cell is seen by the next entry point
   (even one in the same cell);
 - `post_run_cell` refreshes the file watch set from the cache entries' closures (only when the cache
