@@ -339,3 +339,24 @@ def test_jax_jit_of_a_user_function_keeps_jax_s_api(ip, capsys):
     with pytest.raises(ValueError, match="Non-hashable static arguments"):
         ns["g"](ns["X"], np.ones(2))
     assert jax.jit.__wrapped__.__module__ == "jax._src.api"
+
+
+def test_a_restarted_process_loads_an_adopted_program_without_tracing(tmp_path):
+    """Plain `@jax.jit` code under the switch goes to the program store as `nitro_ipy.jit`'s does."""
+    script = textwrap.dedent("""
+        import jax, jax.numpy as jnp, nitro_ipy
+        from nitro_ipy._compiler import _store
+        nitro_ipy.set_honest_jit(True)
+        def helper(x):
+            return x * 2.0
+        @jax.jit
+        def f(x):
+            print("tracing")
+            return helper(x) + 1.0
+        print(float(f(jnp.ones(3))[0]), _store.loaded_count, tuple(nitro_ipy.cache_stats()))
+    """)
+    env = {**os.environ, "NITRO_IPY_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": os.pathsep.join(sys.path)}
+    first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    second = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert first.stdout.splitlines() == ["tracing", "3.0 0 (0, 1, 1)"], first.stdout + first.stderr
+    assert second.stdout.splitlines() == ["3.0 1 (0, 1, 1)"], second.stdout + second.stderr  # no trace
