@@ -10,6 +10,7 @@ hooks', GraphConst fields' and options' lines are its causes, the arguments' lin
 from typing import Iterable
 
 from .._base._report import Explanation
+from .._closure import describe_edit
 from ._cache import ArgsKey
 
 
@@ -27,7 +28,10 @@ def explain_miss(key, info: dict, candidates: Iterable) -> Explanation | None:
     if best.poisoned and all(line.endswith(SAME_REPR) for line in causes + follows):
         # An edit moved it: with no other change, or through a GraphConst value that names the edited
         # code (an NNX GraphDef names the module's classes), whose repr does not show what moved.
-        edited = "edited code: " + ", ".join(best.drifted)
+        drifted = best.drifted
+        if info.get("hook_label") == "function":  # a jitted function: where each edit was, and the path to it
+            drifted = [describe_edit(best.closure, key.owner, name) for name in drifted]
+        edited = "edited code: " + ", ".join(drifted)
         return Explanation(causes + [edited] if causes else ["recompiling against " + edited])
     return Explanation(causes, follows) if causes or follows else None
 
