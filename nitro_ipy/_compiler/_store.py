@@ -299,7 +299,7 @@ def save(entry) -> bool:
     serialized (then JAX's persistent cache takes it: `fallback`). Under `jax.distributed` only process 0
     writes (`_sharding.is_main_process`): the others compiled the same program under the same key."""
     programs = active_dir()
-    if programs is None or entry.closure is None or not is_main_process():
+    if programs is None or entry.closure is None or not is_main_process() or not entry.key.context.storable:
         return False
     try:
         payload, in_tree, out_tree = serialize_compiled(entry.call)
@@ -412,7 +412,7 @@ def load(key, info: dict | None = None, why: str | None = None):
     resolving only the globals JAX's serializer writes."""
     global loaded_count
     programs = active_dir()
-    if programs is None:
+    if programs is None or not key.context.storable:  # (a configuration that means nothing elsewhere)
         return None
     name = key_digest(key) + _SUFFIX
     path = os.path.join(programs, name)
