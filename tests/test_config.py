@@ -276,3 +276,22 @@ def test_compile_ahead_never_files_a_program_traced_under_another_configuration(
         FACTOR = 1.0
     assert got.dtype == expected.dtype == np.float64
     np.testing.assert_array_equal(got, expected)
+
+
+# ---------------------------------------------------------------- JAX's persistent cache in the store
+def test_jax_cache_files_at_any_depth_count_toward_the_store_cap_and_go_with_it(tmp_path):
+    """On a GPU, JAX keeps XLA's autotuning cache in a directory inside its cache directory
+    (`jax_persistent_cache_enable_xla_caches`): those files are inside the store's bound too."""
+    from nitro_ipy._compiler import _store
+
+    programs, nested = tmp_path / "programs", tmp_path / "xla" / "xla_gpu_per_fusion_autotune_cache_dir"
+    programs.mkdir()
+    nested.mkdir(parents=True)
+    files = [programs / "a.nxp", tmp_path / "xla" / "k-cache", nested / "fusion.textproto", programs / "b.nxp"]
+    for age, path in enumerate(files):  # oldest first
+        path.write_bytes(b"x" * 1000)
+        os.utime(path, (1000 + age, 1000 + age))
+    assert _store.evict(str(programs), cap=2000) == 2
+    assert [p.exists() for p in files] == [False, False, True, True]
+    assert _store.evict(str(programs), cap=1000) == 1
+    assert [p.exists() for p in files] == [False, False, False, True]
