@@ -282,9 +282,13 @@ def deserialize_compiled(payload: bytes, in_tree, out_tree, device_ids: list[int
             return find_class(module, name)
 
     backend = jax.devices()[0].client
-    unloaded, args_info_flat, no_kwargs = Restricted(io.BytesIO(payload), backend, devices).load()
+    loaded = Restricted(io.BytesIO(payload), backend, devices).load()
+    if len(loaded) == 3:  # JAX before its serialization versions: (executable, args, no_kwargs)
+        (unloaded, args_info_flat, no_kwargs), const_args = loaded, []
+    else:  # (version, executable, args, no_kwargs, closed-over constants): JAX 0.12.1 writes version 3
+        _version, unloaded, args_info_flat, no_kwargs, const_args = loaded[:5]
     args_info = in_tree.unflatten(args_info_flat)
-    return jax.stages.Compiled(unloaded.load(), [], args_info, out_tree, no_kwargs=no_kwargs)
+    return jax.stages.Compiled(unloaded.load(), const_args, args_info, out_tree, no_kwargs=no_kwargs)
 
 
 def is_pytree_node_type(cls) -> bool:
