@@ -295,3 +295,23 @@ def test_jax_cache_files_at_any_depth_count_toward_the_store_cap_and_go_with_it(
     assert [p.exists() for p in files] == [False, False, True, True]
     assert _store.evict(str(programs), cap=1000) == 1
     assert [p.exists() for p in files] == [False, False, False, True]
+
+
+def test_compile_ahead_compiles_nothing_for_a_handle_run_under_another_configuration():
+    """The handle ran under `jax.enable_x64(True)`; the edit's world bump comes from outside that block:
+    a replacement traced there would be the x64-off program, which no rebuild of this handle asks for."""
+    global FACTOR
+    x = np.ones((2, 3), np.float32)
+    try:
+        with jax.enable_x64(True):
+            n = Nitro(Factored())
+            n.predict({"x": x})
+        FACTOR = 2.0
+        nitro_ipy.bump_world(ahead=True)
+        assert _ahead.wait(60)
+        assert nitro_ipy.cache_stats()[1:] == (1, 0)  # the edit poisoned the one program; none compiled ahead
+        with jax.enable_x64(True):
+            got = n.rebuild().predict({"x": x})
+    finally:
+        FACTOR = 1.0
+    assert got.dtype == np.float64 and nitro_ipy.cache_stats().misses == 2
