@@ -345,7 +345,7 @@ def save(entry) -> bool:
     serialized (then JAX's persistent cache takes it: `fallback`). Under `jax.distributed` only process 0
     writes (`_sharding.is_main_process`): the others compiled the same program under the same key."""
     programs = active_dir()
-    if programs is None or entry.closure is None or not is_main_process():
+    if programs is None or entry.closure is None or not is_main_process() or not entry.key.context.storable:
         return False
     try:
         payload, in_tree, out_tree = serialize_compiled(entry.call)
@@ -442,7 +442,7 @@ def load(key, info: dict | None = None, why: str | None = None):
     resolving only the globals JAX's serializer writes."""
     global loaded_count
     programs = active_dir()
-    if programs is None:
+    if programs is None or not key.context.storable:  # (a configuration that means nothing elsewhere)
         return None
     name = key_digest(key) + _SUFFIX
     path = os.path.join(programs, name)
@@ -524,20 +524,25 @@ def _files(programs: str) -> list:
 
 
 def _xla_files(programs: str) -> list:
-    """JAX's own cache files next to the programs (`<cache dir>/xla`): they count toward the cap too."""
+    """JAX's own cache files next to the programs (`<cache dir>/xla`): they count toward the cap too, at
+    any depth (on a GPU, JAX keeps XLA's autotuning cache in a directory inside it). Links are never
+    followed."""
     out = []
-    xla = os.path.join(os.path.dirname(programs), "xla")
-    try:
-        with os.scandir(xla) as it:
-            for e in it:
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if e.is_file(follow_symlinks=False) and not e.name.startswith("."):  # not a writer's temp file
-                    out.append((max(st.st_mtime, st.st_atime), st.st_size, e.path))
-    except OSError:
-        pass
+    stack = [os.path.join(os.path.dirname(programs), "xla")]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for e in it:
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(e.path)
+                    elif e.is_file(follow_symlinks=False) and not e.name.startswith("."):  # not a writer's temp file
+                        out.append((max(st.st_mtime, st.st_atime), st.st_size, e.path))
+        except OSError:
+            pass
     return out
 
 
@@ -591,14 +596,17 @@ def clear() -> int:
     if root is None or not os.path.isdir(root):
         return 0
     removed = 0
-    for sub in ("programs", "xla"):
-        d = os.path.join(root, sub)
-        if not os.path.isdir(d):
-            continue
+    d = os.path.join(root, "programs")
+    if os.path.isdir(d):
         for name in os.listdir(d):
             try:
                 os.unlink(os.path.join(d, name))
-                removed += sub == "programs" and name.endswith(_SUFFIX)
+                removed += name.endswith(_SUFFIX)
             except OSError:
                 pass
+    for _mtime, _size, path in _xla_files(d):  # JAX's, at any depth
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
     return removed
