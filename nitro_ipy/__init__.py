@@ -4,6 +4,7 @@
 """
 
 from . import loggers as loggers  # the public `nitro_ipy.loggers` subpackage
+from ._adopt import set_honest_jit as set_honest_jit
 from ._base._errors import GraphConstHashError as GraphConstHashError
 from ._base._errors import HandleBusyError as HandleBusyError
 from ._base._errors import HostFieldAccessError as HostFieldAccessError
@@ -83,6 +84,7 @@ __all__ = [
     "predict",
     "set_cache_dir",
     "set_compile_ahead",
+    "set_honest_jit",
     "set_trace_reuse",
     "train",
     "validate",

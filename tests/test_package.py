@@ -97,7 +97,8 @@ LAYERS = {
     "_compiler": {"_base", "_closure"},
     "loggers": {"_base", "_experiment"},  # public: `nitro_ipy.loggers.TensorBoard(...)`
     "_training": {"_base", "_closure", "_experiment", "_compiler", "loggers"},
-    "_notebook": {"_base", "_closure", "_experiment", "_compiler", "_training", "loggers"},
+    "_adopt": {"_base", "_closure", "_compiler"},
+    "_notebook": {"_base", "_closure", "_experiment", "_compiler", "_training", "_adopt", "loggers"},
 }
 
 

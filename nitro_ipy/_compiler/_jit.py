@@ -30,12 +30,12 @@ import weakref
 import jax
 
 from .. import _closure
-from .._base import _events, _report
+from .._base import _compat, _events, _report
 from .._base._compat import XLA_RUNTIME_ERRORS
 from .._base._fingerprint import Unfingerprintable, fingerprint, function_fingerprint
 from .._base._report import Kind
 from .._base._world import world
-from . import _cache, _store
+from . import _cache, _context, _store
 from ._explain import explain_miss
 
 try:  # whether the caller is inside a trace (then JAX inlines the call: no program of its own)
@@ -257,7 +257,8 @@ class _Jitted:
         if entry is None or entry.poisoned or entry.call is None:
             return None
         self.gen.entries.append(entry)
-        self.call = _Direct(entry.call, self._static, statics) if statics else entry.call
+        call = _Direct(entry.call, self._static, statics) if statics else entry.call
+        self.call = _Pinned(call, key.context, self.__wrapped__)
         return entry
 
     def _misfit(self, args, kwargs):
@@ -431,6 +432,27 @@ class _Direct:
         if statics != self.statics:
             raise TypeError("static arguments differ from the adopted program's")
         return self.compiled(*dyn, **dyn_kwargs)
+
+
+class _Pinned:
+    """An adopted program, for the JAX configuration it was compiled under (`_context.py`). Called under
+    another one (`jax.enable_x64(True)` around a call) it raises `TypeError`, and the inner `jax.jit`
+    takes over, keyed on the configuration as JAX keys it. Under `debug_nans`/`debug_infs`, a NaN or
+    infinite output is re-run de-optimized and raises JAX's `FloatingPointError` naming the primitive,
+    as `jax.jit` does (an AOT executable alone lets JAX's internal error escape)."""
+
+    __slots__ = ("call", "context", "fun")
+
+    def __init__(self, call, context, fun):
+        self.call, self.context, self.fun = call, context, fun
+
+    def __call__(self, *args, **kwargs):
+        if _context.current() != self.context:
+            raise TypeError("the JAX configuration differs from the adopted program's")
+        try:
+            return self.call(*args, **kwargs)
+        except _compat.INTERNAL_FLOATING_POINT_ERROR as err:
+            _compat.raise_deoptimized(err, self.fun, args, kwargs)
 
 
 # ---------------------------------------------------------------- the hot path, by signature
