@@ -459,10 +459,11 @@ class Nitro:
             row = {"epoch": self.epoch + 1, "loss": loss}
             if self.on_nonfinite == "skip":
                 row["skipped"] = skipped
-            self._cursor, self.epoch = EPOCH_START, self.epoch + 1  # counted: no signal handler runs between the two stores
-            # In the history before validation, so an interrupt there keeps the epoch's row.
-            self.history.append(row)
-            rows.append(row)
+            # Counted: cursor, epoch and row stored with Ctrl-C held (in the history before validation,
+            # so an interrupt there keeps the epoch's row); a Ctrl-C held over them ends the call here.
+            control.commit(self._count_epoch, row, rows)
+            if control.pending and control.cuts_epoch():
+                raise KeyboardInterrupt
             if "valid" in b.splits:
                 control.validating = True
                 row.update({f"valid_{k}": v for k, v in self._evaluate("valid").items()})
@@ -479,6 +480,13 @@ class Nitro:
         if control.pending and control.cuts_epoch():  # a Ctrl-C dropped in the last validation
             raise KeyboardInterrupt
         return list(rows)
+
+    def _count_epoch(self, row: dict, rows: list):
+        """The epoch counted: the cursor back at an epoch's start, the epoch advanced, its row kept (with
+        Ctrl-C held: `InterruptGate.commit`)."""
+        self._cursor, self.epoch = EPOCH_START, self.epoch + 1
+        self.history.append(row)
+        rows.append(row)
 
     def set(self, **values) -> None:
         """Set Device fields of this live handle with no recompile: `n.set(lr=1e-4)`. Each value is
