@@ -5,6 +5,7 @@
 
 from ._base._errors import GraphConstHashError as GraphConstHashError
 from ._base._errors import HandleBusyError as HandleBusyError
+from ._base._errors import HookInputError as HookInputError
 from ._base._errors import HostFieldAccessError as HostFieldAccessError
 from ._base._errors import NitroError as NitroError
 from ._base._errors import NitroTypeError as NitroTypeError
@@ -53,6 +54,7 @@ __all__ = [
     "GraphConstHashError",
     "HandleBusyError",
     "History",
+    "HookInputError",
     "Host",
     "HostFieldAccessError",
     "Nitro",
