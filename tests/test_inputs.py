@@ -152,3 +152,36 @@ def test_ranks_that_differ_without_an_outer_broadcast_are_not_warned_about():
     labels = {"x": d["x"], "y": (d["y"] > 0).astype(np.int32)}
     _handle(Classes(), train=labels).train()  # the suite turns a NitroWarning into an error
     _handle(Picks(), train={"x": d["x"], "y": d["y"][:, None]}).train()
+
+
+@dataclasses.dataclass
+class Scaled:
+    scales: GraphConst[list] = dataclasses.field(default_factory=lambda: [1.0])
+
+    def init(self, rng):
+        return {"w": jnp.ones((4,))}
+
+    def forward(self, params, *, x):
+        return (x @ params["w"]) * sum(self.scales)
+
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+
+
+def test_a_graphconst_value_mutated_in_place_is_a_drift(capsys):
+    e = Scaled()
+    n = _handle(e)
+    n.train()
+    before = np.asarray(n.predict({"x": np.ones((1, 4), np.float32)}))
+    capsys.readouterr()
+    e.scales.append(10.0)  # in place: no world counter moves
+    n.train()
+    out = capsys.readouterr().out
+    assert out.count("! this handle's GraphConst field `scales` ([1.0] -> [1.0, 10.0]) changed in place since "
+                     "it was built.") == 1
+    assert "rebuild it: `n = n.rebuild()`" in out
+    assert "stale=True" in repr(n)
+    m = n.rebuild()  # compiles for the new value
+    got = np.asarray(m.predict({"x": np.ones((1, 4), np.float32)}))
+    np.testing.assert_allclose(got, np.asarray(n.predict({"x": np.ones((1, 4), np.float32)})) * 11.0, rtol=1e-5)
+    assert "stale=False" in repr(m) and not np.allclose(got, before)

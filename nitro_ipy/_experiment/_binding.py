@@ -108,6 +108,16 @@ class Binding:
         """`{"GraphConst field `name`": value}`: where a large constant baked into a program may come from."""
         return {f"GraphConst field `{n}`": v for n, v in self.graphconst.values.items()}
 
+    def graphconst_moved(self) -> tuple:
+        """The GraphConst fields whose value changed in place since setup (a list appended to), each as
+        "`name` (before -> now)": a drift like an edit's, which the entry points say (`_staleness`)."""
+        moved = []
+        for name, value in self.graphconst.values.items():
+            before, shown = self.graphconst.info[name]
+            if fingerprint(value, name) != before:
+                moved.append(f"`{name}` ({shown} -> {short_repr(value)})")
+        return tuple(moved)
+
     def check_graphconst_unchanged(self) -> None:
         """Refuse to key a program once a GraphConst value changed in place since setup."""
         for name, value in self.graphconst.values.items():

@@ -319,9 +319,10 @@ class Nitro:
                 or not opt or "opt" in stale(self).kinds())
 
     def __repr__(self):
+        now = stale(self, scan=False)
         return (
             f"Nitro({type(self.experiment).__qualname__}, step={self.step}, epoch={self.epoch}, "
-            f"programs={len(self._programs)}, stale={bool(stale(self, scan=False).programs)})"
+            f"programs={len(self._programs)}, stale={bool(now.programs or now.graphconst)})"
         )
 
     # What training advances lives in the step state (`_loop.StepState`); these names forward to it.
@@ -390,7 +391,7 @@ class Nitro:
         now = stale(self)
         if now:
             _report.emit(Kind.STALE_HANDLE, handle=self, names=_report.merge_names(now.programs),
-                         kinds=now.kinds(), schedules=now.schedules)
+                         kinds=now.kinds(), schedules=now.schedules, graphconst=now.graphconst)
 
     def train(self, epochs: int | None = None, *, background: bool = False):
         """Train for `epochs` (default `max_epochs`) epochs, validating after each one when a `valid`
