@@ -4,6 +4,7 @@ target of another rank, a GraphConst value mutated in place, a checkpoint direct
 """
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,14 @@ import optax
 import pytest
 
 import nitro_ipy
-from nitro_ipy import GraphConst, HookInputError, Nitro, NitroTypeError, NitroWarning
+from nitro_ipy import (
+    GraphConst,
+    HookInputError,
+    Nitro,
+    NitroTypeError,
+    NitroValueError,
+    NitroWarning,
+)
 
 BS = 8
 
@@ -185,3 +193,21 @@ def test_a_graphconst_value_mutated_in_place_is_a_drift(capsys):
     got = np.asarray(m.predict({"x": np.ones((1, 4), np.float32)}))
     np.testing.assert_allclose(got, np.asarray(n.predict({"x": np.ones((1, 4), np.float32)})) * 11.0, rtol=1e-5)
     assert "stale=False" in repr(m) and not np.allclose(got, before)
+
+
+def test_a_checkpoint_directory_that_cannot_be_made_is_said(tmp_path, monkeypatch):
+    n = _handle()
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("a file where a directory should be")
+    with pytest.raises(NitroValueError) as info:
+        n.save(blocker / "run1" / "ck", wait=True)
+    assert str(info.value) == (
+        f"cannot save the checkpoint `{blocker}/run1/ck.nitro.npz`: its directory `{blocker}/run1` does not exist "
+        f"and could not be made (`{blocker}` is a file, not a directory). Fix: save under a directory you can "
+        f"write to (`n.save(\"checkpoints/run1\")` makes `checkpoints/`), or make the directory first.")
+    # a missing directory is made, and `~` is the home directory, not a folder named `~`
+    assert os.path.exists(n.save(tmp_path / "new" / "deeper" / "ck", wait=True))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert n.save("~/ck", wait=True) == str(tmp_path / "home" / "ck.nitro.npz")
+    assert os.path.exists(tmp_path / "home" / "ck.nitro.npz") and not os.path.exists(tmp_path / "~")
