@@ -195,6 +195,20 @@ def test_a_graphconst_value_mutated_in_place_is_a_drift(capsys):
     assert "stale=False" in repr(m) and not np.allclose(got, before)
 
 
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    widths: tuple = (64, 64)
+    extra: object = None
+
+
+def test_only_values_that_can_change_in_place_are_watched():
+    # the entry points fingerprint these at each call (microseconds); immutable ones never move
+    from nitro_ipy._experiment._binding import may_change_in_place
+
+    assert [may_change_in_place(v) for v in (4, "gelu", (1, 2.0), Frozen(), jnp.ones(2), np.float32, len)] == [False] * 7
+    assert [may_change_in_place(v) for v in ([1], {"a": 1}, np.ones(2), Frozen(extra=[1]), (1, [2]))] == [True] * 5
+
+
 def test_a_checkpoint_directory_that_cannot_be_made_is_said(tmp_path, monkeypatch):
     n = _handle()
     blocker = tmp_path / "notes.txt"
