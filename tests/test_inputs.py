@@ -5,6 +5,7 @@ target of another rank, a GraphConst value mutated in place, a checkpoint direct
 
 import dataclasses
 import os
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +88,11 @@ def test_a_wrong_feature_count_names_the_hook_the_shapes_and_the_fix(entry):
     # IPython shows the hook's frames only: this file's `forward`, not JAX's or nitro_ipy's
     lines = _user_lines(info.value)
     assert lines and all(__file__ in line for line in lines) and "in forward" in lines[-1]
+    # and a script's traceback starts at the entry point: no frame of JAX's tracing or nitro_ipy's programs
+    frames = traceback.extract_tb(info.value.__traceback__)
+    assert [f.name for f in frames if f.filename.startswith(os.path.dirname(nitro_ipy.__file__))] == ["called"]
+    assert not [f for f in frames if f"{os.sep}jax{os.sep}" in f.filename]
+    assert not any("JAX has removed" in note for note in getattr(info.value, "__notes__", ()))
     stats = nitro_ipy.cache_stats()
     assert stats.misses == stats.entries  # the failed trace stored nothing
 

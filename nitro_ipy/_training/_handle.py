@@ -38,6 +38,7 @@ from .._experiment._data import (
     split_len,
     steps_per_epoch,
 )
+from .._experiment._inputs import user_traceback
 from .._experiment._model import (
     ParamSplit,
     check_given,
@@ -393,6 +394,7 @@ class Nitro:
             _report.emit(Kind.STALE_HANDLE, handle=self, names=_report.merge_names(now.programs),
                          kinds=now.kinds(), schedules=now.schedules, graphconst=now.graphconst)
 
+    @user_traceback
     def train(self, epochs: int | None = None, *, background: bool = False):
         """Train for `epochs` (default `max_epochs`) epochs, validating after each one when a `valid`
         split exists. Returns this call's epoch rows (also appended to `n.history`).
@@ -504,12 +506,14 @@ class Nitro:
         valid = [(float(r["epoch"]), r["valid_loss"]) for r in self.history if "valid_loss" in r]
         return _html.LossChart(curve, valid)
 
+    @user_traceback
     @in_mesh()
     def validate(self) -> dict:
         """Evaluate on the `valid` split: `{"loss": ..., <metric>: ...}`."""
         self._enter("validate")
         return self._evaluate("valid")
 
+    @user_traceback
     @in_mesh()
     def evaluate(self, split: str = "test") -> dict:
         """Evaluate on `split`: the exact, example-weighted loss and every metric, over every example."""
@@ -566,6 +570,7 @@ class Nitro:
             out[name] = float(value) if np.ndim(value) == 0 else value
         return out
 
+    @user_traceback
     @in_mesh()
     def predict(self, inputs: dict):
         """Run `forward` over `inputs` (a dict of arrays) in batches; returns the outputs as numpy."""
