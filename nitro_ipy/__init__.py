@@ -7,6 +7,7 @@ from . import loggers as loggers  # the public `nitro_ipy.loggers` subpackage
 from ._adopt import set_honest_jit as set_honest_jit
 from ._base._errors import GraphConstHashError as GraphConstHashError
 from ._base._errors import HandleBusyError as HandleBusyError
+from ._base._errors import HookInputError as HookInputError
 from ._base._errors import HostFieldAccessError as HostFieldAccessError
 from ._base._errors import NitroError as NitroError
 from ._base._errors import NitroTypeError as NitroTypeError
@@ -55,6 +56,7 @@ __all__ = [
     "GraphConstHashError",
     "HandleBusyError",
     "History",
+    "HookInputError",
     "Host",
     "HostFieldAccessError",
     "Nitro",

@@ -25,6 +25,23 @@ class NonFiniteLossError(NitroError, FloatingPointError):
     """The training loss became NaN or infinite."""
 
 
+class HookInputError(NitroTypeError, ValueError):
+    """A hook failed on the batch it was given (wrong shapes or kinds), re-explained in the user's words
+    (`_experiment._inputs`). Both a `TypeError` and a `ValueError`, as the errors it explains were.
+    `frames`: the user's frames of the original traceback, which IPython shows instead of the whole."""
+
+    def __init__(self, text: str, frames=()):
+        super().__init__(text)
+        self.frames = list(frames)
+
+    def _render_traceback_(self):
+        import traceback
+
+        head = ["Traceback (the hook's own frames):"] if self.frames else []
+        shown = "".join(traceback.format_list(self.frames)).rstrip("\n").splitlines() if self.frames else []
+        return head + shown + [f"{type(self).__name__}: {self}"]
+
+
 class NitroWarning(UserWarning):
     """Base class of every warning nitro_ipy emits."""
 

@@ -216,8 +216,16 @@ def handle_name(handle) -> str:
     return "n"
 
 
-def _stale_handle_text(names: tuple, kinds: tuple, handle=None, schedules: tuple = ()) -> str:
+def _stale_handle_text(names: tuple, kinds: tuple, handle=None, schedules: tuple = (), graphconst: tuple = ()) -> str:
     name = handle_name(handle)
+    if graphconst:  # a GraphConst value changed in place: the programs hold the old one
+        fields = "; ".join(graphconst)
+        return (
+            f"! this handle's GraphConst field {fields} changed in place since it was built. Its programs "
+            f"were compiled with the value it had then, and it keeps running them; to compile for the new "
+            f"value, rebuild it: `{name} = {name}.rebuild()` (or give the experiment a new value, "
+            f"`dataclasses.replace(e, ...)`, and build a new handle)"
+        )
     if not names:  # only a schedule was edited: the programs are current
         return (
             f"! this handle's {', '.join(schedules)} was redefined. It keeps calling the one it was built "

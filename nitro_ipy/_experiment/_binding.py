@@ -7,8 +7,13 @@ and `rebuild()` is how an edit gets in.
 """
 
 import dataclasses
+import enum
+import functools
+import types
 from typing import Callable
 
+import jax
+import numpy as np
 import optax
 
 from .. import _closure
@@ -80,6 +85,7 @@ class Binding:
     splits: dict  # {split name: {batch field: array}}
     reserved: dict  # {hook name: frozenset of the reserved parameters (`rng`, `train`, `state`) it declares}
     schedule_memo: dict = dataclasses.field(default_factory=dict)  # `edited_schedules` per world
+    mutable_memo: dict = dataclasses.field(default_factory=dict)  # `graphconst_moved`'s fields to watch
 
     @property
     def has_state(self) -> bool:
@@ -107,6 +113,20 @@ class Binding:
     def graphconst_sources(self) -> dict:
         """`{"GraphConst field `name`": value}`: where a large constant baked into a program may come from."""
         return {f"GraphConst field `{n}`": v for n, v in self.graphconst.values.items()}
+
+    def graphconst_moved(self) -> tuple:
+        """The GraphConst fields whose value changed in place since setup (a list appended to), each as
+        "`name` (before -> now)": a drift like an edit's, which the entry points say (`_staleness`)."""
+        memo = self.mutable_memo
+        if "names" not in memo:  # only a value that can change in place is fingerprinted at each ask
+            memo["names"] = tuple(n for n, v in self.graphconst.values.items() if may_change_in_place(v))
+        moved = []
+        for name in memo["names"]:
+            value = self.graphconst.values[name]
+            before, shown = self.graphconst.info[name]
+            if fingerprint(value, name) != before:
+                moved.append(f"`{name}` ({shown} -> {short_repr(value)})")
+        return tuple(moved)
 
     def check_graphconst_unchanged(self) -> None:
         """Refuse to key a program once a GraphConst value changed in place since setup."""
@@ -162,6 +182,30 @@ class Binding:
     def source(self, name: str, origin: str, step: int | None = None) -> Source:
         """Where a value of Device field `name` comes from, for `device_value`'s words."""
         return Source(f"`{self.cls.__qualname__}.{name}`" if origin != "set" else f"`{name}`", origin, step)
+
+
+_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, enum.Enum, np.dtype, type, types.FunctionType,
+              types.BuiltinFunctionType, jax.Array)
+
+
+def may_change_in_place(value, depth: int = 0) -> bool:
+    """Whether `value` holds something mutable (a list, a dict, a writeable numpy array, a plain object):
+    immutable scalars, JAX arrays, functions, and tuples, frozensets and frozen dataclasses of those
+    cannot change without a new value. Asked once per GraphConst field (`Binding.graphconst_moved`)."""
+    if depth > 20:
+        return True
+    if isinstance(value, _IMMUTABLE):
+        return False
+    if isinstance(value, np.ndarray):
+        return bool(value.flags.writeable)
+    if isinstance(value, (tuple, frozenset)):
+        return any(may_change_in_place(v, depth + 1) for v in value)
+    if isinstance(value, functools.partial):
+        return any(may_change_in_place(v, depth + 1) for v in (*value.args, *value.keywords.values()))
+    params = getattr(type(value), "__dataclass_params__", None)
+    if params is not None and params.frozen:
+        return any(may_change_in_place(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value))
+    return True
 
 
 def bind(e, data=None, schedules: dict | None = None) -> Binding:

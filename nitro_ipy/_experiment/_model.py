@@ -175,16 +175,27 @@ def check_state(state, root: str = "state"):
 
 
 def split_init(cls, result, has_state: bool):
-    """`(params, state)` from what `init` returned, refusing the wrong arity with the fix."""
+    """`(params, state)` from what `init` returned, refusing the wrong arity or no parameters with the fix."""
     if not has_state:
-        return result, None
+        return _some_params(cls, result), None
     if not (isinstance(result, tuple) and len(result) == 2):
         raise NitroTypeError(
             f"`{cls.__qualname__}.forward` declares `state`, so `init` must return `(params, state)`; "
             f"got {type(result).__qualname__} ({short_repr(result)}). Return "
             f"`params, {{\"batch_stats\": ...}}`, or drop `state` from `forward`."
         )
-    return result
+    return _some_params(cls, result[0]), result[1]
+
+
+def _some_params(cls, params):
+    """`params`, unless `init` returned None for them (a missing `return`)."""
+    if params is None:
+        raise NitroTypeError(
+            f"`{cls.__qualname__}.init` returned None, not the parameters: `init(self, rng)` must return the "
+            f"params pytree (a dict of arrays, a model). Fix: end `init` with `return params` (or "
+            f"`return params, state` when `forward` declares `state`)."
+        )
+    return params
 
 
 def forward_result(owner: str, result, given: tuple):

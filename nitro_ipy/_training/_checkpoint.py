@@ -402,13 +402,13 @@ def save(n, path, *, wait: bool = False, then=None, policy=None) -> str:
     `policy` warns instead: `Policy.failed`).
 
     **Returns:** the file (being) written."""
-    path = os.fspath(path)
+    path = os.path.expanduser(os.fspath(path))
     if os.path.isdir(path) or path.endswith(os.sep):
         path = os.path.join(path, f"step-{int(n.step):08d}{SUFFIX}")
     elif not path.endswith(".npz"):
         path += SUFFIX
     if is_main_process():
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        make_directory(path)
         _sweep(os.path.dirname(os.path.abspath(path)))
     info, data = snapshot(n)  # under jax.distributed on every process: a sharded array needs them all
     multi = jax.process_count() > 1
@@ -424,6 +424,27 @@ def save(n, path, *, wait: bool = False, then=None, policy=None) -> str:
     if multi:  # every process returns once the file is there, so each can resume from it
         wait_for_all(f"nitro_ipy checkpoint at step {int(n.step)}")
     return path
+
+
+def make_directory(path: str) -> None:
+    """The directory of checkpoint `path`, made when missing; one that cannot be made is refused with
+    what stands in the way (a file where a directory should be, no permission) and the fix."""
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(directory, exist_ok=True)
+        return
+    except OSError as err:
+        why = err.strerror or str(err)
+    existing = directory
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        why = f"`{existing}` is a file, not a directory"
+    raise NitroValueError(
+        f"cannot save the checkpoint `{path}`: its directory `{directory}` does not exist and could not be "
+        f"made ({why}). Fix: save under a directory you can write to (`n.save(\"checkpoints/run1\")` makes "
+        f"`checkpoints/`), or make the directory first."
+    ) from None
 
 
 # ---------------------------------------------------------------- reading

@@ -40,6 +40,7 @@ from .._experiment._data import (
     split_len,
     steps_per_epoch,
 )
+from .._experiment._inputs import user_traceback
 from .._experiment._model import (
     ParamSplit,
     check_given,
@@ -331,9 +332,10 @@ class Nitro:
                 or not opt or "opt" in stale(self).kinds())
 
     def __repr__(self):
+        now = stale(self, scan=False)
         return (
             f"Nitro({type(self.experiment).__qualname__}, step={self.step}, epoch={self.epoch}, "
-            f"programs={len(self._programs)}, stale={bool(stale(self, scan=False).programs)})"
+            f"programs={len(self._programs)}, stale={bool(now.programs or now.graphconst)})"
         )
 
     # What training advances lives in the step state (`_loop.StepState`); these names forward to it.
@@ -405,8 +407,9 @@ class Nitro:
         if now:
             self._tracking.note("stale", self.step, self.epoch, names=", ".join(_report.merge_names(now.programs)))
             _report.emit(Kind.STALE_HANDLE, handle=self, names=_report.merge_names(now.programs),
-                         kinds=now.kinds(), schedules=now.schedules)
+                         kinds=now.kinds(), schedules=now.schedules, graphconst=now.graphconst)
 
+    @user_traceback
     def train(self, epochs: int | None = None, *, background: bool = False, loggers=None):
         """Train for `epochs` (default `max_epochs`) epochs, validating after each one when a `valid`
         split exists. Returns this call's epoch rows (also appended to `n.history`).
@@ -484,10 +487,11 @@ class Nitro:
             row = {"epoch": self.epoch + 1, "loss": loss}
             if self.on_nonfinite == "skip":
                 row["skipped"] = skipped
-            self._cursor, self.epoch = EPOCH_START, self.epoch + 1  # counted: no signal handler runs between the two stores
-            # In the history before validation, so an interrupt there keeps the epoch's row.
-            self.history.append(row)
-            rows.append(row)
+            # Counted: cursor, epoch and row stored with Ctrl-C held (in the history before validation,
+            # so an interrupt there keeps the epoch's row); a Ctrl-C held over them ends the call here.
+            control.commit(self._count_epoch, row, rows)
+            if control.pending and control.cuts_epoch():
+                raise KeyboardInterrupt
             if "valid" in b.splits:
                 control.validating = True
                 row.update({f"valid_{k}": v for k, v in self._evaluate("valid").items()})
@@ -508,6 +512,13 @@ class Nitro:
             raise KeyboardInterrupt
         return list(rows)
 
+    def _count_epoch(self, row: dict, rows: list):
+        """The epoch counted: the cursor back at an epoch's start, the epoch advanced, its row kept (with
+        Ctrl-C held: `InterruptGate.commit`)."""
+        self._cursor, self.epoch = EPOCH_START, self.epoch + 1
+        self.history.append(row)
+        rows.append(row)
+
     def set(self, **values) -> None:
         """Set Device fields of this live handle with no recompile: `n.set(lr=1e-4)`. Each value is
         coerced to the field's dtype and shape and used from the next step on (also while a background
@@ -523,12 +534,14 @@ class Nitro:
         valid = [(float(r["epoch"]), r["valid_loss"]) for r in self.history if "valid_loss" in r]
         return _html.LossChart(curve, valid)
 
+    @user_traceback
     @in_mesh()
     def validate(self) -> dict:
         """Evaluate on the `valid` split: `{"loss": ..., <metric>: ...}`."""
         self._enter("validate")
         return self._evaluate("valid")
 
+    @user_traceback
     @in_mesh()
     def evaluate(self, split: str = "test") -> dict:
         """Evaluate on `split`: the exact, example-weighted loss and every metric, over every example."""
@@ -585,6 +598,7 @@ class Nitro:
             out[name] = float(value) if np.ndim(value) == 0 else value
         return out
 
+    @user_traceback
     @in_mesh()
     def predict(self, inputs: dict):
         """Run `forward` over `inputs` (a dict of arrays) in batches; returns the outputs as numpy."""

@@ -2,7 +2,10 @@
 
 `train_epoch` advances one `StepState` in place: the params, model and optimizer state, Device values,
 step, epoch, cursor and guard a handle trains (the handle owns it; nothing here reads the handle). A
-step's results are stored there before Ctrl-C may land. It resolves the programs through the `resolve`
+step's results (params, optimizer and model state, guard, step) are stored with Ctrl-C held, and so is the
+cursor that says how many steps the call took (its `finally`): at any line a Ctrl-C lands on, training on
+equals an uninterrupted run, bit for bit (`tests/test_sweep.py` raises SIGINT at every line of the windows
+between steps, epochs and the return). It resolves the programs through the `resolve`
 function the handle passes (which keys and maybe compiles them), with arguments packed by name
 (`Spec.pack`).
 
@@ -138,12 +141,29 @@ class InterruptGate:
         # with it.
         self.pending = True
         if not self.defer:
-            raise KeyboardInterrupt
+            raise self.interrupt()
+
+    def interrupt(self) -> KeyboardInterrupt:
+        """The interrupt that ends the loop, with Ctrl-C held from here: a second one waits until the
+        cursor of the steps taken is stored (`train_epoch`'s `finally`) rather than skip that store."""
+        self.defer = True
+        return KeyboardInterrupt()
 
     def cuts_epoch(self) -> bool:
         """Whether a request pending after the epoch's last step ends the call before validation (a held
         Ctrl-C does; a run's stop lets the finished epoch count)."""
         return True
+
+    def commit(self, store, *args):
+        """`store(*args)` with Ctrl-C held: the stores that move the handle from one consistent state to
+        the next (an epoch's cursor and its count, a cut epoch's cursor) happen all or none. A Ctrl-C
+        landing before the hold changed nothing; one during it is pending, raised at the loop's next
+        check; one after it finds the stores done."""
+        held, self.defer = self.defer, True
+        try:
+            return store(*args)
+        finally:
+            self.defer = held
 
     @contextlib.contextmanager
     def installed(self):
@@ -231,7 +251,7 @@ def train_epoch(s: StepState, resolve, split: dict, fields, steps: int, gate: In
                 multi = None
                 while left >= per:
                     if gate.pending:
-                        raise KeyboardInterrupt
+                        raise gate.interrupt()
                     stacked = stack(list(itertools.islice(batches, per)))
                     schedule = stacked_schedules(binding, dev, s.step, per)
                     if multi is None:  # resolved (maybe compiled) once per epoch, nothing donated yet
@@ -258,7 +278,7 @@ def train_epoch(s: StepState, resolve, split: dict, fields, steps: int, gate: In
             recent = collections.deque(maxlen=ahead + 1)  # the last steps' losses, kept only to pace by
             for batch in batches:
                 if gate.pending:
-                    raise KeyboardInterrupt
+                    raise gate.interrupt()
                 gate.defer = True  # from here to the stored results, Ctrl-C waits for the step
                 if schedules:
                     apply_schedules(dev, s.step)
@@ -284,19 +304,37 @@ def train_epoch(s: StepState, resolve, split: dict, fields, steps: int, gate: In
                     seen, guard = sync(s, seen, bar, step0, split, fields, resolve, reused)
                     next_sync = perf_counter() + _SYNC_SECONDS
             if gate.pending and gate.cuts_epoch():
-                raise KeyboardInterrupt
+                raise gate.interrupt()
             seen, guard = check_losses(s, seen, bar, step0, split, fields, resolve)
+            gate.defer = True  # held from here to the cursor's store
             settled = True
     finally:
-        fold_pairs(reused, grad, opt, pairs)
-        count_reuse(reused)
-        if not settled:  # Ctrl-C or an error: a bad step before it still counts as not applied
-            total, n_loss = settle(s, step0, total, n_loss)
-            s.cursor = Cursor(start + s.step - step0, total, n_loss)
+        # The step block's commit point: until the cursor says how many steps were taken, `s.step` is
+        # ahead of it, and a Ctrl-C in between would make the next call replay those steps. Ctrl-C is
+        # held on the way in: after the last check above, or by the interrupt that ended the loop.
+        gate.defer = True
+        try:
+            close_epoch(s, start, step0, total, n_loss, settled and seen, reused, grad, opt, pairs)
+        finally:
+            gate.defer = False
     # Every step taken: the cursor stays at the epoch's end until the caller counts the epoch, so a
     # Ctrl-C landing in between leaves an epoch the next call counts, never one it replays.
-    s.cursor = Cursor(start + s.step - step0, total + seen[0], n_loss + seen[1])
     return mean_loss(total + seen[0], n_loss + seen[1]), _guard.bad_steps(guard)
+
+
+def close_epoch(s: StepState, start: int, step0: int, total: float, count: int, seen, reused: dict, grad, opt,
+                pairs: int):
+    """The cursor of the steps this call took (from `start`, the cursor's at the call, and `step0`, the
+    step): after every step (`seen`: the finite losses' `(sum, count)` at the last sync point), or after
+    Ctrl-C or an error (`seen` False: the guard's, with a bad step before it still counted as not
+    applied, `settle`). Runs with Ctrl-C held."""
+    fold_pairs(reused, grad, opt, pairs)
+    count_reuse(reused)
+    if seen is False:
+        total, count = settle(s, step0, total, count)
+    else:
+        total, count = total + seen[0], count + seen[1]
+    s.cursor = Cursor(start + s.step - step0, total, count)
 
 
 def sync(s: StepState, seen: tuple, bar, step0: int, split: dict, fields, resolve, reused: dict) -> tuple:
@@ -347,12 +385,15 @@ def keyed_step(s: StepState, resolve, batch, gate: InterruptGate):
     program, which donates params and state, is about to run."""
     args = s.grad_args(batch)
     grad = resolve(GRAD, args, **s.fields(batch))
-    flat_grads, loss, s.model_state = grad.call(*args)
+    # The new model state is stored with the step's parameters, not before the optimizer program is
+    # resolved (maybe compiled): a Ctrl-C in between would leave the state a step ahead of the params.
+    flat_grads, loss, model_state = grad.call(*args)
     opt = resolve(OPT, OPT_ARGS(s, flat_grads, loss), halt=s.on_nonfinite == "raise")
     if s.shared:
         unshare(s)
     gate.defer = True
     s.params, s.opt_state, s.guard = opt.call(*OPT_ARGS(s, flat_grads, loss))
+    s.model_state = model_state
     return grad, opt, loss
 
 

@@ -32,6 +32,7 @@ import optax
 from .._compiler import _reuse
 from .._compiler._cache import Key, arg_signature
 from .._compiler._compile import OPTIMIZER_OPTIONS
+from .._experiment import _inputs
 from .._experiment._checks import check_loss, check_metric_result
 from .._experiment._model import EVAL_KEY_SEED, forward_result
 from .._experiment._optimizer import update_args
@@ -47,18 +48,36 @@ def call_forward(model, owner, forward, view, params, inputs: dict, state, key, 
     if "train" in reserved:
         extra["train"] = train
     if not model.has_state:
-        return forward(view, params, **inputs, **extra), state
+        return _explained(forward, f"{owner}.forward", inputs, params=params)(view, params, **inputs, **extra), state
     # `forward` gets a container of its own: one it consumes (an `eqx.nn.State` a layer `set` outside a
     # `vmap` is invalid after) never breaks what reads `state` after it (the shape check, the guard).
     leaves, treedef = jax.tree_util.tree_flatten(state)
     own = jax.tree_util.tree_unflatten(treedef, leaves)
-    return forward_result(owner, forward(view, params, **inputs, state=own, **extra), (treedef, leaves))
+    result = _explained(forward, f"{owner}.forward", inputs, params=params)(view, params, **inputs, state=own, **extra)
+    return forward_result(owner, result, (treedef, leaves))
 
 
-def call_loss(model, loss, view, outputs, targets: dict, train: bool):
-    """The `loss` hook's value, checked to be a real scalar (`_checks.check_loss`)."""
+def call_loss(model, loss, view, outputs, targets: dict, train: bool, owner: str = ""):
+    """The `loss` hook's value, checked to be a real scalar (`_checks.check_loss`); a loss that
+    broadcasts outputs against a target of another rank is warned about (`_inputs.broadcast_warning`)."""
     extra = {"train": train} if "train" in model.reserved.get("loss", ()) else {}
-    return check_loss(loss(view, outputs, **targets, **extra))
+    hook = f"{owner}.loss" if owner else getattr(loss, "__qualname__", "loss")
+    value = _explained(loss, hook, targets, outputs=outputs)(view, outputs, **targets, **extra)
+    _inputs.broadcast_warning(hook, lambda o, t: loss(view, o, **t, **extra), outputs, targets)
+    return check_loss(value)
+
+
+def _explained(hook, name: str, given: dict, **context):
+    """`hook`, whose failure on wrong inputs raises `HookInputError` (`_inputs.explain`) at trace time."""
+    def call(*args, **kwargs):
+        try:
+            return hook(*args, **kwargs)
+        except Exception as err:
+            explained = _inputs.explain(err, name, given, **context)
+            if explained is None:
+                raise
+            raise explained from None
+    return call
 
 
 def make_training_forward(view_of, forward, model, owner: str = ""):
@@ -89,7 +108,7 @@ def make_gradient(view_of, forward, loss, input_names, target_names, model, accu
             outputs, state = reuse(*args, warming=warming)
         else:
             outputs, state = forward_of(*args, view=view)
-        return call_loss(model, loss, view, outputs, {k: batch[k] for k in target_names}, True), state
+        return call_loss(model, loss, view, outputs, {k: batch[k] for k in target_names}, True, owner), state
 
     def gradient(params, state, dev, batch, rng):
         state_in = state
@@ -187,7 +206,7 @@ def per_example_loss(view, loss, outputs, targets: dict):
 
 def make_eval(view_of, forward, loss, input_names, target_names, model, owner: str = ""):
     split = model.split
-    eval_loss = loss if loss is None else (lambda view, outputs, **t: call_loss(model, loss, view, outputs, t, False))
+    eval_loss = loss if loss is None else (lambda view, outputs, **t: call_loss(model, loss, view, outputs, t, False, owner))
 
     def evaluate(params, state, dev, inputs, targets, n_valid):
         view = view_of(dev)

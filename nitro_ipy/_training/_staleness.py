@@ -20,14 +20,16 @@ from .._experiment._optimizer import make_layout
 
 @dataclasses.dataclass(frozen=True)
 class Staleness:
-    """What makes a handle stale: `programs` (the poisoned entries it runs) and `schedules` (its
-    schedules redefined since it was built). Falsy when it is current."""
+    """What makes a handle stale: `programs` (the poisoned entries it runs), `schedules` (its
+    schedules redefined since it was built) and `graphconst` (its GraphConst fields changed in place
+    since, `Binding.graphconst_moved`). Falsy when it is current."""
 
     programs: tuple = ()
     schedules: tuple = ()
+    graphconst: tuple = ()
 
     def __bool__(self) -> bool:
-        return bool(self.programs or self.schedules)
+        return bool(self.programs or self.schedules or self.graphconst)
 
     def kinds(self) -> tuple:
         return tuple(e.kind for e in self.programs)
@@ -40,7 +42,10 @@ def stale(handle, scan: bool = True) -> Staleness:
         _cache.ensure_fresh()
     programs = tuple(e for e in handle._programs.values() if e.poisoned)
     b = handle._state.binding
-    return Staleness(programs, b.edited_schedules() if b.schedules else ())
+    # A GraphConst value mutated in place moves no world counter: fingerprinted at each ask (microseconds
+    # for the ints and tuples GraphConst fields hold), and only once the handle has programs to run stale.
+    moved = b.graphconst_moved() if handle._programs and b.graphconst.values else ()
+    return Staleness(programs, b.edited_schedules() if b.schedules else (), moved)
 
 
 def rebind(handle):
