@@ -204,7 +204,7 @@ def test_an_adopted_program_is_not_served_under_another_configuration():
     nitro_ipy.bump_world()  # a cell ran
     again = nitro_ipy.jit(make())  # the same code again (a cell re-run): its program is adopted, no trace
     again(x, y)
-    assert nitro_ipy.cache_stats().misses == 1 and type(again._s.call).__name__ == "_Adopted"
+    assert nitro_ipy.cache_stats().misses == 1 and type(again._s.call).__name__ == "Adopted"
     with jax.numpy_rank_promotion("raise"):
         with pytest.raises(ValueError) as ours:
             again(x, y)

@@ -3,20 +3,26 @@
 A jitted function is not a fixed point: after an edit that moves what its trace depended on, its next
 call compiles against the live code, once, and says why in one line. Between edits it is `jax.jit`:
 
+- **Shared state.** Every `jit` of one function with the same options shares one `_State`, found through
+  a table keyed weakly on the function (as `jax.jit`'s share JAX's caches): `jit(f)(x)` written inline
+  costs a lookup. The state holds the function weakly; each `_Jitted` holds it strongly.
 - **Hot path.** Each *generation* (the function as traced against one version of the code) holds an
-  inner `jax.jit`; a call compares the world counter with the one it last checked at and calls that
-  inner object, so JAX's C++ dispatch does the work. The inner function JAX traces (`_Generation.traced`)
-  notes that a trace ran; only then, after the call, does this module record the trace's dependency
-  closure and put the program in the cache (`_Jitted._after_trace`): JAX keeps the trace and the
-  executable it just built, so recording them re-traces and re-compiles nothing.
+  inner `jax.jit` of a `_Traced` wrapper; a call compares the world counter with the one the state last
+  checked at and calls that inner object, so JAX's C++ dispatch does the work. The wrapper notes that a
+  trace ran; only then, after the call, does this module record the trace's dependency closure and put
+  the program in the cache (`_State._after_trace`): JAX keeps the trace and the executable it just
+  built, so recording them re-traces and re-compiles nothing.
 - **World moved.** The drift scan runs (`_cache.ensure_fresh`); a generation whose programs were
   poisoned, or whose nested traces' closures drifted, is replaced by a new one (or by a kept older one
   that is current again: an undone edit compiles nothing).
 - **Adoption.** The first call of a generation looks its key up in the cache, then in the program store:
-  a program compiled for the same code and arguments (the cell re-run, a restarted kernel) is called
-  directly (`Compiled`), without a trace. A call that does not fit it goes to the inner `jax.jit`.
+  a program compiled for the same code and arguments (the cell re-run, a restarted kernel; not one
+  compiled in the same world) is called directly (`_jit_args.Adopted`), without a trace, while JAX's
+  configuration is the one it was adopted under. A call that does not fit it goes to the inner `jax.jit`.
 - **Nested.** Called inside another trace (`jax.grad`, `vmap`, an outer `jit`, `lax.scan`), JAX inlines
   it as `jax.jit` does; the outer recording sees its functions, and no program of its own is made.
+- **JAX's API.** `lower`, `trace` and `eval_shape` go through the inner `jax.jit` (sharing its traces);
+  errors, `repr`, names and attributes are JAX's (`tools/jax_jit_suite.py` runs JAX's own tests).
 """
 
 from __future__ import annotations
@@ -30,18 +36,18 @@ import weakref
 import jax
 
 from .. import _closure
-from .._base import _events, _report, _world
+from .._base import _events, _report
 from .._base._compat import (
     XLA_RUNTIME_ERRORS,
     exclude_from_tracebacks,
     jax_jit,
-    trace_context,
 )
 from .._base._fingerprint import Unfingerprintable, fingerprint, function_fingerprint
 from .._base._report import Kind
 from .._base._world import world
 from . import _cache, _store
 from ._explain import explain_miss
+from ._jit_args import Adopted, StaticArgs, short_repr
 
 try:  # whether the caller is inside a trace (then JAX inlines the call: no program of its own)
     from jax._src.core import trace_state_clean as _top_level
@@ -126,14 +132,6 @@ def _share(fun, key, state) -> None:
     known[1][key] = state
 
 
-def _as_tuple(x, kind) -> tuple | None:
-    if x is None:
-        return None
-    if isinstance(x, kind):
-        return (x,)
-    return tuple(x)
-
-
 class _Traced:
     """What JAX traces for one generation: the user's function, with the trace's start, length and
     recording noted for the call that triggered it (`_State._after_trace`).
@@ -216,7 +214,7 @@ class _Jitted:
     # ------------------------------------------------------------ the hot path
     def __call__(self, *args, **kwargs):
         s = self._s
-        if s.world == _world._world:  # `world()`, read without the call
+        if s.world == world():
             s.calls += 1
             try:
                 out = s.call(*args, **kwargs)
@@ -293,7 +291,7 @@ class _State:
         self.traced = None  # set by a trace during the current call
         base = getattr(fun, "func", fun)  # a functools.partial: named after its function
         self.qualified = f"{getattr(base, '__module__', None) or '?'}.{getattr(base, '__qualname__', None) or type(base).__qualname__}"
-        self._static = _StaticArgs(fun, settings)
+        self._static = StaticArgs(fun, settings)
         self._options = tuple(sorted(
             (name, repr(value)) for name, value in settings.items()
             if value is not None and name not in ("static_argnums", "static_argnames")
@@ -379,7 +377,7 @@ class _State:
         except Exception:  # noqa: BLE001 - an unhashable static, say: JAX's call raises its own error
             return None
         known = _cache.peek(key)
-        if known is not None and _born.get(known) == _world._world:
+        if known is not None and _born.get(known) == world():
             # Compiled since the last cell ran (or, in a script, since the last `bump_world()`): a new
             # function of the same code made in a loop, say. It traces as with `jax.jit`; a re-run cell,
             # a restarted kernel, adopt.
@@ -398,7 +396,7 @@ class _State:
         if entry is None or entry.poisoned or entry.call is None:
             return None
         self.gen.entries.append(entry)
-        self.call = _Adopted(entry.call, self._static, statics)
+        self.call = Adopted(entry.call, self._static, statics)
         return entry
 
     def _misfit(self, args, kwargs):
@@ -464,7 +462,7 @@ class _State:
         if _cache.peek(key) is not None:
             _cache.discard(key)  # compiled again (a call an adopted program did not fit came back)
         _cache.store(entry)
-        _born[entry] = _world._world
+        _born[entry] = world()
         gen.entries.append(entry)
         gen.compiles += 1
         if not unstorable and entry.closure is not None:
@@ -498,89 +496,13 @@ class _State:
             except Unfingerprintable as err:
                 fp, unstorable = f"id:{id(value)}", f"static argument `{label}`: {err}"
             fps.append((label, fp))
-            shown[label] = (fp, _short_repr(value))
+            shown[label] = (fp, short_repr(value))
         info = {"graphconst": shown, "graphconst_label": "static argument", "hook_label": "function"}
         if unstorable:
             info["unstorable"] = unstorable
         key = _cache.Key(KIND, self.qualified, ((self.qualified, gen.fingerprint),), (tree, sigs),
                          fingerprint(tuple(fps)) if fps else "", self._options)
         return key, info, statics
-
-
-def _short_repr(value, n: int = 60) -> str:
-    try:
-        text = repr(value)
-    except Exception:  # noqa: BLE001
-        text = f"<{type(value).__qualname__}>"
-    return text if len(text) <= n else text[: n - 3] + "..."
-
-
-class _StaticArgs:
-    """Which arguments of a call are static, as `jax.jit` decides it: `static_argnums` and
-    `static_argnames`, each inferred from the other through the function's signature."""
-
-    def __init__(self, fun, settings: dict):
-        nums = _as_tuple(settings.get("static_argnums"), int)
-        names = _as_tuple(settings.get("static_argnames"), str)
-        try:
-            params = list(inspect.signature(fun).parameters.values())
-        except (TypeError, ValueError):
-            params = []
-        self.positional = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
-        either = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
-        if nums is not None and names is None:
-            names = tuple(self.positional[i] for i in nums if -len(self.positional) <= i < len(self.positional)
-                          and self.positional[i] in either)
-        elif names is not None and nums is None:
-            nums = tuple(i for i, n in enumerate(self.positional) if n in names and n in either)
-        self.nums, self.names = nums or (), frozenset(names or ())
-        self.any = bool(self.nums or self.names)
-
-    def split(self, args: tuple, kwargs: dict):
-        """`(dynamic positional args, their labels, dynamic keyword args, [(label, static value)])`."""
-        if not self.any:
-            labels = [self.positional[i] if i < len(self.positional) else f"arg{i}" for i in range(len(args))]
-            return args, labels, kwargs, []
-        static_pos = {i % len(args) for i in self.nums if -len(args) <= i < len(args)} if args else set()
-        dyn, labels, statics = [], [], []
-        for i, a in enumerate(args):
-            label = self.positional[i] if i < len(self.positional) else f"arg{i}"
-            if i in static_pos:
-                statics.append((label, a))
-            else:
-                dyn.append(a)
-                labels.append(label)
-        dyn_kwargs = {}
-        for k, v in kwargs.items():
-            if k in self.names:
-                statics.append((k, v))
-            else:
-                dyn_kwargs[k] = v
-        return dyn, labels, dyn_kwargs, statics
-
-
-class _Adopted:
-    """A program compiled before for this code and these arguments, called directly: while JAX's
-    configuration is the one it was adopted under (a changed `jax_numpy_rank_promotion` or `jax_enable_x64`
-    traces again, as JAX's own cache does) and, for a function with static arguments, with the dynamic
-    ones when the static ones equal those it was compiled for. Else `TypeError`, and the inner `jax.jit`
-    takes over for good."""
-
-    __slots__ = ("compiled", "static", "statics", "context")
-
-    def __init__(self, compiled, static: _StaticArgs, statics: list):
-        self.compiled, self.static, self.statics = compiled, static, statics
-        self.context = trace_context()
-
-    def __call__(self, *args, **kwargs):
-        if trace_context() != self.context:
-            raise TypeError("JAX's configuration differs from the adopted program's")
-        if not self.statics:
-            return self.compiled(*args, **kwargs)
-        dyn, _labels, dyn_kwargs, statics = self.static.split(args, kwargs)
-        if statics != self.statics:
-            raise TypeError("static arguments differ from the adopted program's")
-        return self.compiled(*dyn, **dyn_kwargs)
 
 
 # ---------------------------------------------------------------- the hot path, by signature
@@ -595,7 +517,7 @@ def __call__(__nitro_self, {defaulted}, /, **__nitro_kw):
     if __nitro_kw or {last} is __nitro_na:  # a keyword or a missing argument: JAX tells them apart
         return __nitro_generic(__nitro_self, *[a for a in ({params},) if a is not __nitro_na], **__nitro_kw)
     __nitro_s = __nitro_self._s
-    if __nitro_s.world == __nitro_w._world:
+    if __nitro_s.world == __nitro_world():
         __nitro_s.calls += 1
         try:
             out = __nitro_s.call({params})
@@ -629,7 +551,7 @@ def _fast_class(fun) -> type:
     names = tuple(p.name for p in params)
     cls = _fast_classes.get(names)
     if cls is None:
-        ns = {"__nitro_w": _world, "__nitro_na": _NA, "__nitro_generic": _Jitted.__call__}
+        ns = {"__nitro_world": world, "__nitro_na": _NA, "__nitro_generic": _Jitted.__call__}
         source = _FAST_CALL.format(params=", ".join(names), last=names[-1],
                                    defaulted=", ".join(f"{n}=__nitro_na" for n in names))
         exec(compile(source, __file__, "exec"), ns)  # library code
