@@ -25,6 +25,8 @@ Usage:
     python3 benchmarks/bench_step.py            # full run
     python3 benchmarks/bench_step.py --quick    # smoke run: fewer rounds, the LM's cold start skipped
     python3 benchmarks/bench_step.py --json out.json
+    python3 benchmarks/bench_step.py --per-execution 4,16   # every model again at K=4 and K=16
+                                                            # (default: K=16 on the dispatch-bound MLP only)
 """
 
 import dataclasses
@@ -257,8 +259,17 @@ def cold_child(model: str, side: str, quick: bool) -> None:
     print(time.perf_counter() - t0)
 
 
+def _per_execution(text: str) -> tuple:
+    ks = tuple(int(k) for k in text.split(",") if k.strip())
+    if any(k < 1 for k in ks):
+        raise ValueError(f"--per-execution takes positive step counts, like `4,16`; got {text!r}")
+    return ks
+
+
 def main() -> int:
-    H.parse_args(__doc__)
+    args = H.parse_args(__doc__, extra=lambda p: p.add_argument(
+        "--per-execution", type=_per_execution, default=None, metavar="K,K",
+        help="also time every model at these steps_per_execution (default: 16, on the dispatch-bound MLP)"))
     quick = H.quick()
     rounds = 3 if quick else 7
     log(H.env_line(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind})"))
@@ -273,11 +284,15 @@ def main() -> int:
                     H.Row(f"steady, {name.split(',')[0]}", f"{r['ratio']:.2f}x"))
         rows.append(H.Row(f"host us/step, {name.split(',')[0]} (nitro | hand)",
                           f"{r['nitro_host_us']:.0f} | {r['hand_host_us']:.0f}"))
-        if i == 0:
-            r = res["steady"][name + ", K=16"] = steady(name, e, data, bs, rounds, per_execution=16)
-            label = "steady, dispatch-bound MLP, steps_per_execution=16"
-            rows.append(H.at_most(label, r["ratio"], 0.1) if ACCEL else H.Row(label, f"{r['ratio']:.2f}x"))
-            rows.append(H.Row("host us/step, K=16 (nitro | hand)", f"{r['nitro_host_us']:.0f} | {r['hand_host_us']:.0f}"))
+        for k in (16,) if args.per_execution is None and i == 0 else args.per_execution or ():
+            if k == 1:
+                continue  # the default row above
+            r = res["steady"][f"{name}, K={k}"] = steady(name, e, data, bs, rounds, per_execution=k)
+            label = f"steady, {name.split(',')[0]}, steps_per_execution={k}"
+            # The issue's goal for K=16 is on the dispatch-bound MLP (the hand-written scan reaches 0.072x)
+            goal = 0.1 if (i == 0 and k == 16 and ACCEL) else None
+            rows.append(H.at_most(label, r["ratio"], goal) if goal else H.Row(label, f"{r['ratio']:.2f}x"))
+            rows.append(H.Row(f"host us/step, K={k} (nitro | hand)", f"{r['nitro_host_us']:.0f} | {r['hand_host_us']:.0f}"))
     log("\n3. cold first epoch, each side in a fresh process (seconds)")
     for i, name in enumerate(table):
         if quick and i == 2:

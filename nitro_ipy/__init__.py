@@ -3,6 +3,7 @@
 `import nitro_ipy` never imports IPython or ipywidgets; `%load_ext nitro_ipy` wires the notebook side.
 """
 
+from ._adopt import set_honest_jit as set_honest_jit
 from ._base._errors import GraphConstHashError as GraphConstHashError
 from ._base._errors import HandleBusyError as HandleBusyError
 from ._base._errors import HostFieldAccessError as HostFieldAccessError
@@ -81,6 +82,7 @@ __all__ = [
     "predict",
     "set_cache_dir",
     "set_compile_ahead",
+    "set_honest_jit",
     "set_trace_reuse",
     "train",
     "validate",

@@ -242,10 +242,10 @@ def test_a_failed_background_write_is_raised_by_the_next_save_and_leaves_nothing
     assert n.save(tmp_path / "c") == str(tmp_path / "c.nitro.npz")  # returns; the rename fails behind it
     with pytest.raises(nitro_ipy.NitroValueError) as err:
         n.save(tmp_path / "d")
-    assert str(err.value).startswith(f"the checkpoint `{tmp_path / 'c.nitro.npz'}` could not be written (")
-    assert str(err.value).endswith("; the checkpoints written before it are whole.")
+    assert str(err.value).startswith(f"the checkpoint `{tmp_path / 'c.nitro.npz'}` could not be written: ")
+    assert str(err.value).endswith(". Nothing of it is on disk; the checkpoints written before it are whole.")
     assert not (tmp_path / "d.nitro.npz").exists()  # refused before it was taken
-    assert not list(tmp_path.glob(".tmp-*"))  # the failed write's temp file is gone
+    assert not list(tmp_path.glob(".tmp-*"))  # the failed write's temp file, and the one reserved for `d`, are gone
     path = n.save(tmp_path / "e", wait=True)  # and saving works again, on disk when it returns
     assert os.path.isfile(path) and _handle(resume=path).step == 5
 

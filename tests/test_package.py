@@ -96,7 +96,8 @@ LAYERS = {
     "_experiment": {"_base", "_closure"},
     "_compiler": {"_base", "_closure"},
     "_training": {"_base", "_closure", "_experiment", "_compiler"},
-    "_notebook": {"_base", "_closure", "_experiment", "_compiler", "_training"},
+    "_adopt": {"_base", "_closure", "_compiler"},
+    "_notebook": {"_base", "_closure", "_experiment", "_compiler", "_training", "_adopt"},
 }
 
 

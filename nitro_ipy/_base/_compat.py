@@ -282,9 +282,13 @@ def deserialize_compiled(payload: bytes, in_tree, out_tree, device_ids: list[int
             return find_class(module, name)
 
     backend = jax.devices()[0].client
-    unloaded, args_info_flat, no_kwargs = Restricted(io.BytesIO(payload), backend, devices).load()
+    loaded = Restricted(io.BytesIO(payload), backend, devices).load()
+    if len(loaded) == 3:  # JAX before its serialization versions: (executable, args, no_kwargs)
+        (unloaded, args_info_flat, no_kwargs), const_args = loaded, []
+    else:  # (version, executable, args, no_kwargs, closed-over constants): JAX 0.12.1 writes version 3
+        _version, unloaded, args_info_flat, no_kwargs, const_args = loaded[:5]
     args_info = in_tree.unflatten(args_info_flat)
-    return jax.stages.Compiled(unloaded.load(), [], args_info, out_tree, no_kwargs=no_kwargs)
+    return jax.stages.Compiled(unloaded.load(), const_args, args_info, out_tree, no_kwargs=no_kwargs)
 
 
 def is_pytree_node_type(cls) -> bool:
@@ -327,6 +331,32 @@ def enable_jax_compilation_cache(path: str, max_bytes: int = -1) -> bool:
         except Exception:
             pass
     return True
+
+
+def use_jax_cache(cache) -> bool:
+    """Make `cache` (an object with JAX's `get(key)` and `put(key, value)`) the one JAX's persistent
+    compilation cache reads and writes, in place of the file cache JAX would make on its first compile
+    (`jax._src.compilation_cache._cache`, the same in JAX 0.10 to 0.12). Returns False where this JAX
+    keeps its cache elsewhere (its own file cache then serves)."""
+    try:
+        from jax._src import compilation_cache as cc
+
+        with cc._cache_initialized_mutex:
+            cc._cache = cache
+            cc._cache_initialized = True
+        return True
+    except Exception:
+        return False
+
+
+def jax_cache():
+    """The cache object JAX's persistent compilation cache uses now (None before its first compile)."""
+    try:
+        from jax._src import compilation_cache as cc
+
+        return cc._cache
+    except Exception:
+        return None
 
 
 # XLA:CPU cannot serialize an executable that was itself deserialized: the copy loads, then fails on its
@@ -405,8 +435,62 @@ def exclude_from_tracebacks(path: str) -> None:
         pass
 
 
-try:  # JAX's trace context: the configuration its own jit cache keys traces on (rank promotion, x64, ...)
-    from jax._src.config import trace_context
-except ImportError:  # pragma: no cover - moved in a later JAX: no configuration is told apart
-    def trace_context() -> tuple:
-        return ()
+# ---------------------------------------------------------------- the configuration a trace depends on
+def _trace_context_api() -> tuple:
+    """`(trace_context, names)`: JAX's own `config.trace_context` (what its jit caches key on: one tuple of
+    every setting that changes what a trace produces), and the names of its entries (None where this jaxlib
+    does not say them: then entries are named by position)."""
+    try:
+        from jax._src import config
+    except Exception:  # pragma: no cover - a JAX that moved it: keys carry no configuration
+        return (lambda: ()), ()
+    context = getattr(config, "trace_context", None)
+    if context is None:  # pragma: no cover
+        return (lambda: ()), ()
+    try:
+        names = tuple(config.trace_context_names())
+    except Exception:  # pragma: no cover - jaxlib before `trace_context_names`
+        names = None
+    return context, names
+
+
+trace_context, TRACE_CONTEXT_NAMES = _trace_context_api()
+
+
+def _debug_states() -> tuple:
+    """JAX's `jax_debug_nans` and `jax_debug_infs` settings (thread-local aware `State`s)."""
+    from jax._src import config
+
+    return config.debug_nans, config.debug_infs
+
+
+DEBUG_NANS, DEBUG_INFS = _debug_states()
+
+
+def _internal_floating_point_error() -> type:
+    """The exception a compiled program raises under `debug_nans`/`debug_infs` when an output is NaN or
+    infinite, before JAX re-runs the function de-optimized to name the primitive (`jax.jit` does; an AOT
+    `Compiled` lets it escape)."""
+    try:
+        from jax._src.api_util import InternalFloatingPointError
+
+        return InternalFloatingPointError
+    except Exception:  # pragma: no cover - moved: nothing of ours is caught
+        return type("InternalFloatingPointError", (Exception,), {})
+
+
+INTERNAL_FLOATING_POINT_ERROR = _internal_floating_point_error()
+
+
+def raise_deoptimized(err: BaseException, fn, args: tuple, kwargs: dict):
+    """What `jax.jit` does when its program's output is NaN/inf under `debug_nans`/`debug_infs`: run `fn`
+    de-optimized (op by op), which raises JAX's `FloatingPointError` naming the primitive; if it runs
+    clean, JAX's `FloatingPointError` saying so. Never returns."""
+    try:
+        from jax._src.api_util import maybe_recursive_nan_check
+    except Exception:  # pragma: no cover
+        maybe_recursive_nan_check = None
+    if maybe_recursive_nan_check is not None:
+        maybe_recursive_nan_check(err, fn, args, kwargs)
+    fn(*args, **kwargs)  # pragma: no cover - a JAX without it: its eager run raises, or we do
+    raise FloatingPointError(f"invalid value ({getattr(err, 'ty', 'nan')}) in a compiled program")  # pragma: no cover

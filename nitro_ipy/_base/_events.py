@@ -26,6 +26,7 @@ EVENTS = {
     "stepping": "(running: bool): a step loop passed its first step (True), or that loop ended (False)",
     "progress": "(): a training handle reached a periodic sync point (about every 0.25 s, never per step)",
     "run": "(run): a background run (`Run`) started or ended (`run.done` tells which)",
+    "temp_written": "(path): a file's temp copy is written and synced, not yet renamed into place (`_writes`)",
 }
 
 _lock = threading.Lock()

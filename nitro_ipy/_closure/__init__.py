@@ -20,6 +20,7 @@ from ._records import ValueDep as ValueDep
 
 # benchmarks/bench_staleness.py times each kind of check on its own, telling the value checks apart by it.
 from ._scan import check_value as check_value
+from ._where import describe_edit as describe_edit
 
 __all__ = [
     "CellDep",
@@ -30,6 +31,7 @@ __all__ = [
     "ValueDep",
     "check_value",
     "closure_from_records",
+    "describe_edit",
     "closure_records",
     "live_module_namespace",
     "note_class_attr",

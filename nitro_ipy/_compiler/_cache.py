@@ -22,6 +22,7 @@ from .._base._origin import is_user_file
 from .._base._report import Kind
 from .._base._sharding import sharding_signature
 from .._base._world import world
+from . import _context
 
 
 class CacheStats(NamedTuple):
@@ -67,10 +68,13 @@ class Key:
     # ((GraphConst field, fingerprint), ...): what `graphconst` hashes, field by field (not compared:
     # equal keys have equal hashes; not in the repr, which names a stored program's file)
     fields: tuple = dataclasses.field(default=(), compare=False, repr=False)
+    # The JAX configuration of the thread making the key (`_context.py`): JAX's trace context, as JAX's
+    # own jit caches key on it. Taken when the key is made, in the thread that traces its program.
+    context: _context.Context = dataclasses.field(default_factory=_context.current)
 
     def without_fields(self) -> tuple:
         """Every component but the GraphConst ones: what a program served by its read fields shares."""
-        return (self.kind, self.owner, self.hooks, self.args, self.options)
+        return (self.kind, self.owner, self.hooks, self.args, self.options, self.context)
 
     def __post_init__(self):
         if type(self.args) is tuple and len(self.args) == 2:  # a plain pair (a key read back from the store)

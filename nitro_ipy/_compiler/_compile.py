@@ -18,18 +18,20 @@ import numpy as np
 from .._base import _events, _report, _world
 from .._base._compat import (
     FUSION_EMITTERS_OPTION,
+    INTERNAL_FLOATING_POINT_ERROR,
     OPTIMIZATION_LEVEL_OPTION,
     XLA_RUNTIME_ERRORS,
     YNN_FUSION_OPTION,
     jax_jit,
     jaxpr_eqns,
     own_compile,
+    raise_deoptimized,
     unknown_compile_option,
 )
 from .._base._errors import NitroValueError, library_hint
 from .._base._live import holds_user_instances, live_value
 from .._base._report import Kind
-from . import _cache, _reuse, _store
+from . import _cache, _context, _reuse, _store
 from ._explain import explain_miss
 
 # XLA:CPU hands matrix multiplies to YNNPACK, which builds a runtime for each multiply the first time a new
@@ -322,6 +324,13 @@ RETRACES = 3
 
 def _trace_and_compile(key, fn, args, donate_argnums, info, record, compiler_options, sources, why, out_shardings,
                        speculative=False):
+    if speculative and _context.current() != key.context:
+        # Planned under another JAX configuration than this thread's (a thread-local setting is not seen
+        # by a background thread): its trace would not be the key's program. The handle compiles it.
+        raise Unsettled()
+    debug = key.context.debug
+    if debug:  # as `jax.jit` under `debug_nans`: no donation, so a de-optimized re-run has its inputs
+        donate_argnums = ()
     placed = {} if out_shardings is None else {"out_shardings": out_shardings}
     jitted = jax_jit(fn, donate_argnums=donate_argnums, **placed)
     t0 = time.perf_counter()
@@ -350,17 +359,19 @@ def _trace_and_compile(key, fn, args, donate_argnums, info, record, compiler_opt
     else:
         if speculative and not settled:
             raise Unsettled()
+    if speculative and _context.current() != key.context:  # the global configuration moved meanwhile
+        raise Unsettled()
     with gc_paused():
         lowered = traced.lower()
     # A program the store cannot hold still skips XLA after a restart, through JAX's own cache.
-    on = record is not None and _store.cache_dir() is not None
+    on = record is not None and _store.cache_dir() is not None and key.context.storable
     unstorable = _store.unstorable_reason(traced.jaxpr, closure) if on else None
     if unstorable is not None:
         _store.fallback(key, unstorable)
     t1 = time.perf_counter()
     _events.signal("xla_start")  # `_ahead`: its next job may trace now, while XLA holds no GIL
     # A program the store holds stays out of JAX's cache; one JAX's cache serves cannot be stored.
-    with own_compile(write_jax_cache=not on or unstorable is not None) as served:
+    with own_compile(write_jax_cache=(not on or unstorable is not None) and not debug) as served:
         compiled, used = xla_compile(lowered, program_options(traced.jaxpr, compiler_options))
     warm = getattr(fn, "warm", None)
     if warm is not None:  # a gradient program traced plainly: warm its forward when idle (`_reuse`)
@@ -369,6 +380,8 @@ def _trace_and_compile(key, fn, args, donate_argnums, info, record, compiler_opt
     t2 = time.perf_counter()
     if served["from_jax_cache"] and unstorable is None:
         unstorable = "JAX's persistent cache served it, and a loaded executable does not serialize again"
+    if debug:
+        compiled = Deoptimizing(compiled, fn)
     if holds_user_instances(args):
         compiled = Retreed(compiled)  # callable with a re-run model cell's instances (`_carry`)
     return _cache.Entry(
@@ -473,6 +486,28 @@ def xla_compile(lowered, options: dict):
                 break  # not an unknown option: compile as usual
             del options[unknown]
     return lowered.compile(), {}
+
+
+class Deoptimizing:
+    """A program compiled under `debug_nans`/`debug_infs` (its key's configuration says so), with its
+    Python function: a NaN or infinite output is re-run de-optimized, op by op, and raises JAX's own
+    `FloatingPointError` naming the primitive, as `jax.jit` does. (An executable alone raises JAX's
+    internal error, which names only the program.) Only such programs hold their function: it holds what
+    the trace closed over, a handle's binding among it."""
+
+    __slots__ = ("compiled", "fn")
+
+    def __init__(self, compiled, fn):
+        self.compiled, self.fn = compiled, fn
+
+    def __call__(self, *args):
+        try:
+            return self.compiled(*args)
+        except INTERNAL_FLOATING_POINT_ERROR as err:
+            raise_deoptimized(err, self.fn, args, {})
+
+    def __getattr__(self, name):
+        return getattr(self.compiled, name)  # `in_avals`, `out_info`, ... of the compiled program
 
 
 class Retreed:

@@ -1,6 +1,6 @@
 """Why a key missed: the most similar earlier entry, and what moved, old -> new.
 
-One differ per key component (hooks, GraphConst fields, arguments, options), chained
+One differ per key component (hooks, GraphConst fields, arguments, options, JAX's configuration), chained
 as JAX's `diff_tracing_cache_keys` chains its own: each returns the lines it has to say, none when its
 component did not move. An explanation is composed of the lines of every differ that spoke: the
 hooks', GraphConst fields' and options' lines are its causes, the arguments' lines what moved with them
@@ -10,6 +10,8 @@ hooks', GraphConst fields' and options' lines are its causes, the arguments' lin
 from typing import Iterable
 
 from .._base._report import Explanation
+from .._closure import describe_edit
+from . import _context
 from ._cache import ArgsKey
 
 
@@ -27,7 +29,10 @@ def explain_miss(key, info: dict, candidates: Iterable) -> Explanation | None:
     if best.poisoned and all(line.endswith(SAME_REPR) for line in causes + follows):
         # An edit moved it: with no other change, or through a GraphConst value that names the edited
         # code (an NNX GraphDef names the module's classes), whose repr does not show what moved.
-        edited = "edited code: " + ", ".join(best.drifted)
+        drifted = best.drifted
+        if info.get("hook_label") == "function":  # a jitted function: where each edit was, and the path to it
+            drifted = [describe_edit(best.closure, key.owner, name) for name in drifted]
+        edited = "edited code: " + ", ".join(drifted)
         return Explanation(causes + [edited] if causes else ["recompiling against " + edited])
     return Explanation(causes, follows) if causes or follows else None
 
@@ -98,8 +103,14 @@ def _diff_options(old, new, _old_info, _new_info) -> list[str]:
     return [f"option `{n}`: {a.get(n)!r} -> {b.get(n)!r}" for n in sorted(a.keys() | b.keys()) if a.get(n) != b.get(n)]
 
 
-_DIFFERS = (_diff_hooks, _diff_graphconst, _diff_args, _diff_options)
-_CAUSES = (_diff_hooks, _diff_graphconst, _diff_options)  # what moved; `_diff_args`: what moved with it
+def _diff_context(old, new, _old_info, _new_info) -> list[str]:
+    """`config `jax_enable_x64`: False -> True`: a setting of JAX's trace context moved (`_context.py`)."""
+    return _context.diff(old.context, new.context)
+
+
+_DIFFERS = (_diff_hooks, _diff_graphconst, _diff_args, _diff_options, _diff_context)
+# What moved; `_diff_args`: what moved with it (x64 on moves the dtypes of arguments made after it too).
+_CAUSES = (_diff_hooks, _diff_graphconst, _diff_options, _diff_context)
 
 
 def _short(s: str, n: int = 80) -> str:

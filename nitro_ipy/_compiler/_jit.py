@@ -45,9 +45,9 @@ from .._base._compat import (
 from .._base._fingerprint import Unfingerprintable, fingerprint, function_fingerprint
 from .._base._report import Kind
 from .._base._world import world
-from . import _cache, _store
+from . import _cache, _context, _store
 from ._explain import explain_miss
-from ._jit_args import Adopted, StaticArgs, short_repr
+from ._jit_args import Adopted, Pinned, StaticArgs, short_repr
 
 try:  # whether the caller is inside a trace (then JAX inlines the call: no program of its own)
     from jax._src.core import trace_state_clean as _top_level
@@ -182,7 +182,7 @@ class _Generation:
         self.compiles = 0
         self.hits = 0
         self.looped = False
-        self.adopted = False
+        self.adopted: set = set()  # the JAX configurations a program was looked up for (`_adopt`)
 
     def current(self, memo: dict) -> bool:
         """Whether nothing this generation's programs and nested traces depended on moved."""
@@ -233,6 +233,15 @@ class _Jitted:
 
     def __get__(self, obj, objtype=None):
         return self if obj is None else types.MethodType(self, obj)
+
+    @property
+    def qualified(self) -> str:
+        """The name its programs are keyed and shown under (the adoption of `eqx.filter_jit` sets it)."""
+        return self._s.qualified
+
+    @qualified.setter
+    def qualified(self, name: str) -> None:
+        self._s.qualified = name
 
     def __repr__(self):  # JAX's
         try:
@@ -350,8 +359,9 @@ class _State:
     def _enter(self, args, kwargs):
         self._refresh()
         gen = self.gen
-        if not gen.adopted and self.call is gen.inner and (_top_level is None or _top_level()):
-            gen.adopted = True
+        context = _context.current()
+        if context not in gen.adopted and self.call is gen.inner and (_top_level is None or _top_level()):
+            gen.adopted.add(context)  # once per configuration: the store may hold this one's program
             adopted = self._adopt(args, kwargs)
             if adopted is not None:
                 self.traced = None  # a note `lower` left: this call runs the adopted program, no trace
@@ -396,7 +406,8 @@ class _State:
         if entry is None or entry.poisoned or entry.call is None:
             return None
         self.gen.entries.append(entry)
-        self.call = Adopted(entry.call, self._static, statics)
+        call = Adopted(entry.call, self._static, statics) if statics else entry.call
+        self.call = Pinned(call, key.context, self.fun)
         return entry
 
     def _misfit(self, args, kwargs):

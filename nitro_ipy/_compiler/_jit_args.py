@@ -1,11 +1,13 @@
 """Arguments of a `nitro_ipy.jit` call (`_jit.py`): which are static, as `jax.jit` decides it, and the
-call of a program adopted from the cache or the store, which takes the dynamic ones only."""
+call of a program adopted from the cache or the store: the dynamic arguments only, under the JAX
+configuration it was compiled under."""
 
 from __future__ import annotations
 
 import inspect
 
-from .._base._compat import trace_context
+from .._base import _compat
+from . import _context
 
 
 def _as_tuple(x, kind) -> tuple | None:
@@ -69,24 +71,38 @@ class StaticArgs:
 
 
 class Adopted:
-    """A program compiled before for this code and these arguments, called directly: while JAX's
-    configuration is the one it was adopted under (a changed `jax_numpy_rank_promotion` or `jax_enable_x64`
-    traces again, as JAX's own cache does) and, for a function with static arguments, with the dynamic
-    ones when the static ones equal those it was compiled for. Else `TypeError`, and the inner `jax.jit`
-    takes over for good."""
+    """An adopted program for a function with static arguments: called with the dynamic ones, when the
+    static ones equal those it was compiled for (else `TypeError`, and the inner `jax.jit` takes over)."""
 
-    __slots__ = ("compiled", "static", "statics", "context")
+    __slots__ = ("compiled", "static", "statics")
 
     def __init__(self, compiled, static: StaticArgs, statics: list):
         self.compiled, self.static, self.statics = compiled, static, statics
-        self.context = trace_context()
 
     def __call__(self, *args, **kwargs):
-        if trace_context() != self.context:
-            raise TypeError("JAX's configuration differs from the adopted program's")
-        if not self.statics:
-            return self.compiled(*args, **kwargs)
         dyn, _labels, dyn_kwargs, statics = self.static.split(args, kwargs)
         if statics != self.statics:
             raise TypeError("static arguments differ from the adopted program's")
         return self.compiled(*dyn, **dyn_kwargs)
+
+
+class Pinned:
+    """An adopted program, for the JAX configuration it was compiled under (`_context.py`). Called under
+    another one (`jax.enable_x64(True)` around a call) it raises `TypeError`, and the inner `jax.jit`
+    takes over, keyed on the configuration as JAX keys it. Under `debug_nans`/`debug_infs`, a NaN or
+    infinite output is re-run de-optimized and raises JAX's `FloatingPointError` naming the primitive,
+    as `jax.jit` does (an AOT executable alone lets JAX's internal error escape). Holds the function
+    weakly (`fun()`), as the state that holds it does."""
+
+    __slots__ = ("call", "context", "fun")
+
+    def __init__(self, call, context, fun):
+        self.call, self.context, self.fun = call, context, fun
+
+    def __call__(self, *args, **kwargs):
+        if _context.current() != self.context:
+            raise TypeError("the JAX configuration differs from the adopted program's")
+        try:
+            return self.call(*args, **kwargs)
+        except _compat.INTERNAL_FLOATING_POINT_ERROR as err:
+            _compat.raise_deoptimized(err, self.fun(), args, kwargs)

@@ -8,7 +8,7 @@ import math
 import re
 from typing import NamedTuple
 
-from .._base import _html
+from .._base import _html, _writes
 from .._base._report import some, why_summary
 from . import _cache, _store
 
@@ -56,6 +56,7 @@ class StatsTable:
         self.rows = rows
         self.untracked = untracked
         self.poisoned = poisoned
+        self.swept = _writes.swept_summary()  # temp and truncated files killed writers left, removed at start
 
     def summary(self) -> str:
         hits, misses, entries = self.stats
@@ -88,6 +89,8 @@ class StatsTable:
                          "hatch): " + ", ".join(self.untracked))
         if self.store is not None:
             lines.append(repr(self.store))
+        if self.swept:
+            lines.append(self.swept)
         return "\n".join(lines)
 
     def _why_lines(self, r: StatsRow) -> list[str]:
@@ -150,6 +153,8 @@ class StatsTable:
                        + "</p>")
         if self.store is not None:
             out.append(f"<p>{esc(repr(self.store))}</p>")
+        if self.swept:
+            out.append(f"<p>{esc(self.swept)}</p>")
         out.append("</div>")
         return h.box("".join(out), "warning" if self.poisoned else "plain", "nitro-stats-box")
 

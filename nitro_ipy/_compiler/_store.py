@@ -27,27 +27,28 @@ import os
 import platform
 import struct
 import sys
-import tempfile
 import threading
 import time
 
 import jax
 
 from .. import _closure
-from .._base import _report
+from .._base import _report, _writes
 from .._base._compat import (
     HOST_CALLBACK_PRIMITIVES,
     compiled_device_ids,
     deserialize_compiled,
     enable_jax_compilation_cache,
+    jax_cache,
     jaxpr_eqns,
     serialize_compiled,
+    use_jax_cache,
 )
 from .._base._errors import NitroValueError
 from .._base._origin import PACKAGE_DIR
 from .._base._report import Kind
 from .._base._sharding import is_main_process
-from . import _cache, _trust
+from . import _cache, _trust, _xla
 
 ENV = "NITRO_IPY_CACHE_DIR"
 ENV_MAX_BYTES = "NITRO_IPY_CACHE_MAX_BYTES"
@@ -64,6 +65,7 @@ _refused_dirs: set = set()  # roots refused (`_trust.Untrusted`): off for the pr
 _xla_checked: set = set()  # `xla/` directories whose entries were checked (once per process: private after)
 _reported: set = set()  # bad files said once per process
 _fallbacks: set = set()  # keys said once as going through JAX's cache
+_swept: set = set()  # store directories (resolved) swept of what killed writers left, once per process
 loaded_count = 0  # programs this process loaded from disk
 
 
@@ -133,12 +135,43 @@ def _check_store(root: str) -> None:
 
 
 def _turn_off(root: str, text: str) -> None:
-    """The store is off for this process (said once per directory)."""
+    """The store is off for this process (said once per directory), JAX's cache in it too."""
     with _lock:  # a background compile (compile ahead) may find the same fault at the same moment
         first = root not in _refused_dirs
         _refused_dirs.add(root)
+    ours = jax_cache()
+    if isinstance(ours, _xla.StoreCache):
+        ours.off = True
     if first:
         _report.emit(Kind.STORE_OFF, text=text)
+
+
+WRITE_FAILED = (
+    "nitro_ipy: the program store `{root}` could not be written: {problem}. The store is off for this "
+    "process: training goes on, programs compile as usual and are not kept for a restart. Fix: free "
+    "space there, or point `NITRO_IPY_CACHE_DIR` (or `nitro_ipy.set_cache_dir`) at a writable disk."
+)
+
+
+def _write_failed(err: OSError, directory: str, nbytes: int) -> None:
+    """A write into the store failed (a full disk, a quota, a file size limit, a read-only mount): said
+    in one line, once, and the store (JAX's cache in it too) is off for the process."""
+    root = cache_dir()
+    if root is not None:
+        _turn_off(root, WRITE_FAILED.format(root=root, problem=_writes.write_problem(err, directory, nbytes)))
+
+
+def _sweep(real: str) -> None:
+    """What killed writers left in the store: temp files no live process writes (`_writes.sweep`), and
+    JAX cache files that are empty or truncated (`_xla.verify`: each file read once), removed before
+    JAX reads them. Once per directory per process."""
+    if real in _swept:
+        return
+    _swept.add(real)
+    _writes.sweep(os.path.join(real, "programs"))
+    xla = os.path.join(real, "xla")
+    _writes.sweep(xla)
+    _xla.verify(xla)
 
 
 def active_dir() -> str | None:
@@ -151,7 +184,9 @@ def active_dir() -> str | None:
     if problem:
         _turn_off(root, problem)
         return None
-    return os.path.join(os.path.realpath(root), "programs")
+    real = os.path.realpath(root)
+    _sweep(real)
+    return os.path.join(real, "programs")
 
 
 def _xla_dir(programs: str) -> str | None:
@@ -267,6 +302,14 @@ def unstorable_reason(jaxpr, closure) -> str | None:
     return None
 
 
+def _jax_cache_here(xla: str) -> None:
+    """JAX's cache writes `xla` whole (`_xla.StoreCache`), not in place."""
+    current = jax_cache()
+    if not (isinstance(current, _xla.StoreCache) and current.path == xla and not current.off):
+        programs = os.path.join(os.path.dirname(xla), "programs")
+        use_jax_cache(_xla.StoreCache(xla, _write_failed, lambda: evict(programs)))
+
+
 def activate() -> bool:
     """Called before a handle's setup runs: check the directory, and point JAX's own persistent cache
     at `<cache dir>/xla` for the process, so the eager operations of setup (`init`'s random draws, the
@@ -276,7 +319,8 @@ def activate() -> bool:
     xla = None if programs is None else _xla_dir(programs)
     if xla is None:
         return False
-    enable_jax_compilation_cache(xla, max_bytes())
+    if enable_jax_compilation_cache(xla, max_bytes()):
+        _jax_cache_here(xla)
     return True
 
 
@@ -288,6 +332,8 @@ def fallback(key, reason: str) -> bool:
     if xla is None:
         return False
     on = enable_jax_compilation_cache(xla, max_bytes())
+    if on:
+        _jax_cache_here(xla)
     if key not in _fallbacks:
         _fallbacks.add(key)
         _report.emit(Kind.STORE_FALLBACK, program=key.kind, reason=reason, path=xla if on else None)
@@ -299,7 +345,7 @@ def save(entry) -> bool:
     serialized (then JAX's persistent cache takes it: `fallback`). Under `jax.distributed` only process 0
     writes (`_sharding.is_main_process`): the others compiled the same program under the same key."""
     programs = active_dir()
-    if programs is None or entry.closure is None or not is_main_process():
+    if programs is None or entry.closure is None or not is_main_process() or not entry.key.context.storable:
         return False
     try:
         payload, in_tree, out_tree = serialize_compiled(entry.call)
@@ -332,29 +378,13 @@ def save(entry) -> bool:
     head = json.dumps(header, sort_keys=True).encode()
     blob = _MAGIC + struct.pack(">Q", len(head)) + head + payload
     path = os.path.join(programs, key_digest(entry.key) + _SUFFIX)
-    try:
-        _atomic_write(path, blob)
-    except OSError:
-        return False  # a full or read-only disk: the program stays in memory, nothing breaks
+    try:  # a temp file named for this process, renamed into place: readers see old or new, whole
+        _writes.atomic_write(path, blob, reserve=True)
+    except OSError as err:  # a full or read-only disk: said once, the store goes off, nothing breaks
+        _write_failed(err, programs, len(blob))
+        return False
     evict(programs)
     return True
-
-
-def _atomic_write(path: str, data: bytes) -> None:
-    """Write to a temp file in the same directory, then `os.replace`: readers see old or new, whole."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 class BadFile(Exception):
@@ -412,7 +442,7 @@ def load(key, info: dict | None = None, why: str | None = None):
     resolving only the globals JAX's serializer writes."""
     global loaded_count
     programs = active_dir()
-    if programs is None:
+    if programs is None or not key.context.storable:  # (a configuration that means nothing elsewhere)
         return None
     name = key_digest(key) + _SUFFIX
     path = os.path.join(programs, name)
@@ -494,20 +524,25 @@ def _files(programs: str) -> list:
 
 
 def _xla_files(programs: str) -> list:
-    """JAX's own cache files next to the programs (`<cache dir>/xla`): they count toward the cap too."""
+    """JAX's own cache files next to the programs (`<cache dir>/xla`): they count toward the cap too, at
+    any depth (on a GPU, JAX keeps XLA's autotuning cache in a directory inside it). Links are never
+    followed."""
     out = []
-    xla = os.path.join(os.path.dirname(programs), "xla")
-    try:
-        with os.scandir(xla) as it:
-            for e in it:
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if e.is_file(follow_symlinks=False):
-                    out.append((max(st.st_mtime, st.st_atime), st.st_size, e.path))
-    except OSError:
-        pass
+    stack = [os.path.join(os.path.dirname(programs), "xla")]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for e in it:
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(e.path)
+                    elif e.is_file(follow_symlinks=False) and not e.name.startswith("."):  # not a writer's temp file
+                        out.append((max(st.st_mtime, st.st_atime), st.st_size, e.path))
+        except OSError:
+            pass
     return out
 
 
@@ -561,14 +596,17 @@ def clear() -> int:
     if root is None or not os.path.isdir(root):
         return 0
     removed = 0
-    for sub in ("programs", "xla"):
-        d = os.path.join(root, sub)
-        if not os.path.isdir(d):
-            continue
+    d = os.path.join(root, "programs")
+    if os.path.isdir(d):
         for name in os.listdir(d):
             try:
                 os.unlink(os.path.join(d, name))
-                removed += sub == "programs" and name.endswith(_SUFFIX)
+                removed += name.endswith(_SUFFIX)
             except OSError:
                 pass
+    for _mtime, _size, path in _xla_files(d):  # JAX's, at any depth
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
     return removed

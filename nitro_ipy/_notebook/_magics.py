@@ -1,9 +1,12 @@
-"""`NitroMagics`: `%nitro_stats`, `%nitro_reset`, `%nitro_panel`, and the state of one load of the extension.
+"""`NitroMagics`: `%nitro_stats`, `%nitro_reset`, `%nitro_panel`, `%nitro_ahead`, `%nitro_honest_jit`, and
+the state of one load of the extension.
 
 As IPython's `AutoreloadMagics` owns its reloader, the magics object owns what one `%load_ext nitro_ipy`
 set up: its cell callbacks (`pre_run_cell`, `post_run_cell`, methods of it), the rich message sink, the
 live panel and the file watch set. `_extension.load` registers them; `close` undoes what the object set up.
 
+- `start` makes `jax.jit` honest (`_adopt`) and names the user's functions jitted before; `close` puts
+  the originals back;
 - `pre_run_cell` bumps the world counter, so a redefinition in a cell is seen by the next entry point
   (even one in the same cell);
 - `post_run_cell` refreshes the file watch set from the cache entries' closures (only when the cache
@@ -20,6 +23,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from .. import _adopt
 from .._base import _report, _world
 from .._compiler import _cache
 from .._compiler._cache import cache_reset
@@ -34,6 +38,10 @@ NO_WIDGETS = (
     "(`pip install ipywidgets` for the rich versions)."
 )
 _BAD_OPTION = "`%{magic}`: {problem}. Valid options: {valid}."
+JITTED_BEFORE = (
+    "nitro_ipy: {names}: jitted before the extension loaded; re-run their cells to make them honest "
+    "(an edit of what they call cannot be seen)."
+)
 # A load finds the callbacks an earlier one registered by this attribute, even across an `importlib.reload`
 # of this module (when the earlier callbacks' class is no longer `NitroMagics`).
 _CALLBACK_TAG = "__nitro_ipy_callback__"
@@ -110,7 +118,9 @@ class NitroMagics(Magics):
 
     # -- lifetime
     def start(self) -> None:
-        """Install the rich message sink (in a widget kernel) and start watching the cache's user files."""
+        """Make `jax.jit` honest, install the rich message sink (in a widget kernel) and start watching the
+        cache's user files."""
+        self.honest_jit(True)
         if widget_kernel(self.shell):
             widgets = _import_widgets()
             if widgets is not None:
@@ -125,8 +135,17 @@ class NitroMagics(Magics):
         except Exception as err:  # noqa: BLE001 - no watcher (say, out of inotify watches) is no reason to fail
             _note("starting the file watcher", err)
 
+    def honest_jit(self, on: bool) -> None:
+        """Switch zero-change honesty (`_adopt`); on, name the user's functions jitted before it was on."""
+        _adopt.set_honest_jit(on)
+        before = _adopt.jitted_before(self.shell.user_ns) if on else []
+        if before:
+            print(JITTED_BEFORE.format(names=_report.some(before)))
+
     def close(self) -> None:
-        """Undo `start`: restore the previous message sink, close the panel, stop the watcher."""
+        """Undo `start`: put `jax.jit` back, restore the previous message sink, close the panel, stop the
+        watcher."""
+        _adopt.set_honest_jit(False)
         if self.sink is not None:
             self.sink.close()
             if _report.sink() is self.sink:
@@ -215,6 +234,19 @@ class NitroMagics(Magics):
         due = _ahead.status()
         print(f"nitro_ipy: compile ahead is {'on' if _ahead.compile_ahead_enabled() else 'off'}."
               + (f" {due}" if due else ""))
+
+    @line_magic
+    def nitro_honest_jit(self, line=""):
+        """`%nitro_honest_jit on|off`: `jax.jit`, `equinox.filter_jit` and `flax.nnx.jit` applied to your own
+        functions behave as `nitro_ipy.jit` (on by default with the extension), or are JAX's and the
+        libraries' own again (`nitro_ipy.set_honest_jit`). With no argument, say whether it is on."""
+        word = line.strip().lower()
+        if word not in ("", "on", "off"):
+            raise UsageError(_BAD_OPTION.format(magic="nitro_honest_jit", problem=f"unexpected `{line.strip()}`",
+                                                valid="on, off"))
+        if word:
+            self.honest_jit(word == "on")
+        print(f"nitro_ipy: honest jax.jit is {'on' if _adopt.honest_jit_enabled() else 'off'}.")
 
     @line_magic
     def nitro_panel(self, line=""):

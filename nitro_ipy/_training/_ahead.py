@@ -346,6 +346,10 @@ def _plan_handle(handle, names, b, recipes, planned, wanted, dropped, seen) -> l
                 metrics += metric_request(r.hook, args)
             continue
         key = program_key(r.spec, b, args, handle._settings, r.hook)
+        if key.context != slot.context:
+            # The handle ran it under another JAX configuration (a thread-local setting around its cell):
+            # its rebuild there asks for that one, which this thread cannot trace (`_compiler/_context.py`).
+            continue
         is_moved = (entry is not None and entry.poisoned) or key != slot
         if r.spec is EVAL and eval_key is None:
             eval_key = key

@@ -7,6 +7,11 @@ state (`handle_state`: params, model state, optimizer state), and a JSON manifes
 position (step, epoch, seed: the data order of epoch k is `(seed, k)`, so a resumed run continues the same
 stream) and the history. No pickle: a checkpoint is arrays and JSON.
 
+The file's room is reserved in the caller (`reserve`: a temp file named for this process, allocated),
+so a full disk, a quota, a file size limit or a read-only mount raises at `save` (`CheckpointWriteError`);
+a periodic save warns once instead and training goes on (`Policy.failed`). A temp file a killed writer
+left is swept the next time a process saves to or resumes from its directory (`_writes.sweep`).
+
 Why not orbax-checkpoint: on the 120-layer MLP's state (245 small arrays) orbax 0.12.8's asynchronous
 `StandardCheckpointer` held the caller 348 ms per save and committed in 1.5 s (its import: 1.9 s),
 against 3 ms and 35 ms here; an epoch of that model takes well under a second, and the target is a save
@@ -27,13 +32,14 @@ import re
 import sys
 import tempfile
 import threading
+import warnings
 from importlib import metadata
 
 import jax
 import numpy as np
 
-from .._base import _report
-from .._base._errors import NitroValueError
+from .._base import _events, _report, _writes
+from .._base._errors import NitroValueError, NitroWarning
 from .._base._fingerprint import Unfingerprintable, fingerprint
 from .._base._report import Kind
 from .._base._sharding import is_main_process, wait_for_all
@@ -48,6 +54,38 @@ _MANIFEST = "__manifest__"
 
 class ResumeMismatchError(NitroValueError):
     """A checkpoint's experiment differs from the one resuming it in a GraphConst field."""
+
+
+class CheckpointWriteError(NitroValueError):
+    """A checkpoint could not be written: a full disk, a quota, a file size limit, a read-only mount."""
+
+    def __init__(self, path: str, problem: str, full: bool):
+        self.path, self.problem = path, problem
+        super().__init__(WRITE_FAILED.format(path=path, problem=problem) + (FIX if full else ""))
+
+
+WRITE_FAILED = ("the checkpoint `{path}` could not be written: {problem}. Nothing of it is on disk; the "
+                "checkpoints written before it are whole.")
+FIX = " Fix: free space there, or save to another disk."
+PERIODIC_FAILED = ("the periodic checkpoint `{path}` could not be written: {problem}. Training goes "
+                   "on and keeps the last checkpoint written ({last}); later epochs try again, unsaid. Fix: free "
+                   "space in `{directory}`, or pass another `checkpoint_dir=`.")
+_swept_dirs: set = set()  # checkpoint directories swept of killed writers' temp files, once per process
+
+
+def _sweep(directory: str) -> None:
+    """Remove the temp files killed writers left in `directory` (`_writes.sweep`: only those no live
+    process writes), the first time this process saves there or resumes from there."""
+    directory = os.path.abspath(directory)
+    if directory not in _swept_dirs:
+        _swept_dirs.add(directory)
+        _writes.sweep(directory)
+
+
+def _problem(err: BaseException, path: str, nbytes: int | None) -> str:
+    if isinstance(err, OSError):
+        return _writes.write_problem(err, os.path.dirname(path), nbytes)
+    return f"{type(err).__name__}: {err}"
 
 
 def handle_state(n) -> dict:
@@ -232,23 +270,51 @@ def snapshot(n) -> tuple[dict, bytes]:
     return info, b"".join(chunks)
 
 
-def commit(path: str, info: dict, data: bytes) -> None:
-    """Write a snapshot to `path` durably and atomically: a temp file in the same directory, fsync'ed,
-    renamed over `path`, then the directory fsync'ed (so the rename itself survives a power cut). A
-    crash at any point leaves `path` either absent or its previous content, never a partial file."""
+def _size(info: dict, data: bytes) -> int:
+    """About the bytes a checkpoint file takes (its arrays, its manifest and the zip's headers)."""
+    return len(data) + len(json.dumps(info, sort_keys=True)) + 4096
+
+
+def reserve(path: str, nbytes: int) -> str:
+    """A temp file next to `path` (named for this process: `_writes.sweep`) with `nbytes` allocated, so a
+    full disk, a quota, a file size limit or a read-only mount fails here, in the caller, before anything
+    is written; raises `CheckpointWriteError` saying why and how much room it needs."""
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=_writes.temp_prefix(), suffix=".part")
+        try:
+            _writes.allocate(fd, nbytes)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        if tmp is not None:
+            _writes.discard(tmp)
+        raise CheckpointWriteError(path, _problem(err, path, nbytes), _writes.is_full(err)) from err
+    return tmp
+
+
+def commit(path: str, info: dict, data: bytes, tmp: str | None = None) -> None:
+    """Write a snapshot to `path` durably and atomically: a temp file in the same directory (`tmp`, one
+    `reserve` made, or a new one), fsync'ed, renamed over `path`, then the directory fsync'ed (so the
+    rename itself survives a power cut). A crash at any point leaves `path` either absent or its
+    previous content, never a partial file (and a temp file the next start sweeps)."""
     directory = os.path.dirname(os.path.abspath(path))
     arrays = {"data": np.frombuffer(data, np.uint8),
               _MANIFEST: np.frombuffer(json.dumps(info, sort_keys=True).encode(), np.uint8)}
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".part")
+    if tmp is None:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=_writes.temp_prefix(), suffix=".part")
+        os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "r+b") as f:  # not "wb": truncating would give back the space `reserve` holds
             np.savez(f, **arrays)
+            f.truncate()
             f.flush()
             os.fsync(f.fileno())
+        _events.signal("temp_written", tmp)
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        _writes.discard(tmp)
         raise
     try:
         dfd = os.open(directory, os.O_RDONLY)
@@ -278,38 +344,40 @@ class _Writer:
         self._thread: threading.Thread | None = None
         self._idle = threading.Event()
         self._idle.set()
-        self._error: tuple | None = None  # (path, exception) of a failed commit
+        self._error: tuple | None = None  # (path, exception, bytes, policy) of a failed commit
         self._lock = threading.Lock()
 
-    def submit(self, path: str, info: dict, data: bytes, then=None) -> None:
+    def submit(self, path: str, info: dict, data: bytes, then=None, tmp=None, policy=None) -> None:
         with self._lock:
             self.wait()
             if self._thread is None or not self._thread.is_alive():  # the first save (or after a fork)
                 self._thread = threading.Thread(target=self._loop, name="nitro_ipy checkpoint writer", daemon=True)
                 self._thread.start()
             self._idle.clear()
-            self._jobs.put((path, info, data, then))
+            self._jobs.put((path, info, data, then, tmp, policy))
 
     def _loop(self):
         while True:
-            path, info, data, then = self._jobs.get()
+            path, info, data, then, tmp, policy = self._jobs.get()
             try:
-                commit(path, info, data)
+                commit(path, info, data, tmp)
                 if then is not None:
                     then()
-            except BaseException as err:  # raised by whoever waits next
-                self._error = (path, err)
+            except BaseException as err:  # raised by whoever waits next (a periodic one: warned)
+                self._error = (path, err, _size(info, data), policy)
             finally:
                 self._idle.set()
 
     def wait(self) -> None:
-        """Until the pending commit is on disk; raises what it raised."""
+        """Until the pending commit is on disk; raises what it raised (`CheckpointWriteError` for a
+        failed write), or, for a periodic checkpoint, warns once (`Policy.failed`)."""
         self._idle.wait()
         failed, self._error = self._error, None
         if failed is not None:
-            path, err = failed
-            raise NitroValueError(f"the checkpoint `{path}` could not be written ({type(err).__name__}: {err}); "
-                                  f"the checkpoints written before it are whole.") from err
+            path, err, nbytes, policy = failed
+            if policy is not None:
+                return policy.failed(path, _problem(err, path, nbytes))
+            raise CheckpointWriteError(path, _problem(err, path, nbytes), _writes.is_full(err)) from err
 
     def _at_exit(self):
         try:
@@ -323,13 +391,15 @@ atexit.register(_writer._at_exit)
 wait = _writer.wait
 
 
-def save(n, path, *, wait: bool = False, then=None) -> str:
+def save(n, path, *, wait: bool = False, then=None, policy=None) -> str:
     """Write handle `n`'s checkpoint to `path` (a file; a directory gets `step-<step>.nitro.npz` inside).
 
     The state is copied to the host before this returns; the file is committed in the background
     (`_Writer`) unless `wait=True`. `then()` runs after the commit, in the writer (retention). Under
     `jax.distributed` every process calls it: all gather the arrays, process 0 writes, and each returns
-    once the file is there (no background commit: the other processes wait for it).
+    once the file is there (no background commit: the other processes wait for it). The file's room is
+    allocated before this returns: a full disk raises `CheckpointWriteError` here (a periodic save of
+    `policy` warns instead: `Policy.failed`).
 
     **Returns:** the file (being) written."""
     path = os.fspath(path)
@@ -339,10 +409,16 @@ def save(n, path, *, wait: bool = False, then=None) -> str:
         path += SUFFIX
     if is_main_process():
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        _sweep(os.path.dirname(os.path.abspath(path)))
     info, data = snapshot(n)  # under jax.distributed on every process: a sharded array needs them all
     multi = jax.process_count() > 1
     if is_main_process():  # process 0 writes (and prunes: `then`)
-        _writer.submit(os.path.abspath(path), info, data, then)
+        tmp = reserve(path, _size(info, data))  # a full disk raises here, in the caller
+        try:
+            _writer.submit(os.path.abspath(path), info, data, then, tmp, policy)
+        except BaseException:
+            _writes.discard(tmp)
+            raise
         if wait or multi:
             _writer.wait()
     if multi:  # every process returns once the file is there, so each can resume from it
@@ -354,6 +430,7 @@ def save(n, path, *, wait: bool = False, then=None) -> str:
 def newest(directory) -> str | None:
     """The newest checkpoint in `directory` (highest step, then latest written), or None."""
     _writer.wait()
+    _sweep(os.fspath(directory))
     files = glob.glob(os.path.join(os.fspath(directory), "*" + SUFFIX))
     if not files:
         return None
@@ -487,12 +564,29 @@ class Policy:
             raise NitroValueError(f'`keep_best` must be `(metric, "min" | "max")`, e.g. `("valid_loss", "min")`; '
                                   f"got {keep_best!r}.")
         self.directory, self.every, self.keep, self.keep_best = os.fspath(directory), every, keep, keep_best
+        self.warned = False
 
     def after_epoch(self, n) -> str | None:
         if n.epoch % self.every:
             return None
         # Retention runs in the writer, after the commit: the loop waits for the host copy only.
-        return save(n, os.path.join(self.directory, f"step-{int(n.step):08d}{SUFFIX}"), then=self.retain)
+        path = os.path.join(self.directory, f"step-{int(n.step):08d}{SUFFIX}")
+        try:
+            return save(n, path, then=self.retain, policy=self)
+        except CheckpointWriteError as err:  # a full disk must not stop training: said once, retried
+            self.failed(err.path, err.problem)
+            return None
+
+    def failed(self, path: str, problem: str) -> None:
+        """A periodic checkpoint could not be written: warn once (a `NitroWarning`) and train on; the
+        checkpoints already written stay (retention runs only after a commit)."""
+        if self.warned:
+            return
+        self.warned = True
+        files = sorted(glob.glob(os.path.join(self.directory, "*" + SUFFIX)), key=_step_of)
+        last = f"`{os.path.basename(files[-1])}`" if files else "none was written yet"
+        warnings.warn(PERIODIC_FAILED.format(path=path, problem=problem, last=last, directory=self.directory),
+                      NitroWarning, stacklevel=2)
 
     def retain(self) -> None:
         files = sorted(glob.glob(os.path.join(self.directory, "*" + SUFFIX)), key=_step_of)
