@@ -182,3 +182,26 @@ def test_concrete_arrays_are_told_from_tracers():
     assert seen == [False]
     assert _compat.is_concrete_array(jax.numpy.ones(2))
     assert not _compat.is_concrete_array(np.ones(2))
+
+
+def test_jax_jit_is_jax_s_own_whatever_jax_jit_is_pointed_at(monkeypatch):
+    own = jax.jit
+    monkeypatch.setattr(jax, "jit", lambda *a, **k: pytest.fail("nitro_ipy looked jax.jit up"))
+    assert _compat.jax_jit is own
+    assert float(_compat.jax_jit(lambda x: x + 1)(1.0)) == 2.0
+
+
+def test_trace_context_moves_with_the_configuration_jax_traces_under():
+    before = _compat.trace_context()
+    assert before == _compat.trace_context() and len(before) > 0
+    with jax.numpy_rank_promotion("raise"):
+        assert _compat.trace_context() != before
+    assert _compat.trace_context() == before
+
+
+def test_excluded_files_are_not_user_frames():
+    from jax._src import source_info_util
+
+    _compat.exclude_from_tracebacks(__file__ + ".excluded")
+    assert not source_info_util.is_user_filename(__file__ + ".excluded")
+    assert source_info_util.is_user_filename(__file__)

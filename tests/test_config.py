@@ -73,11 +73,13 @@ def test_the_key_holds_every_entry_of_jax_trace_context_and_each_setting_moves_i
 # ---------------------------------------------------------------- nitro_ipy.jit against jax.jit
 def test_jit_x64_around_a_recreated_function_computes_what_jax_jit_does(lines):
     assert nitro_ipy.jit(make_scale())(X).dtype == jnp.float32
+    nitro_ipy.bump_world()  # a cell ran (within one, a new function of the same code traces, as with JAX)
     held = nitro_ipy.jit(make_scale())
     held(X)  # the program above, adopted from the cache (no trace)
     with jax.enable_x64(True):
         expected = jax.jit(make_scale())(X)
         again = held(X)  # the adopted program is for x64 off: the same function compiles for x64 on
+        nitro_ipy.bump_world()
         got = nitro_ipy.jit(make_scale())(X)  # adopts that one
     assert expected.dtype == got.dtype == again.dtype == jnp.float64
     np.testing.assert_array_equal(got, expected)
@@ -209,6 +211,7 @@ CHILD = textwrap.dedent('''
 
     result = {"default": run()}
     if jax.config.jax_enable_x64:  # the first process's configuration, in this one: its programs load
+        nitro_ipy.bump_world()  # (a new cell: the jitted function looks its program up again)
         with jax.enable_x64(False):
             result["x64 off"] = run()
     print("RESULT", json.dumps(result))

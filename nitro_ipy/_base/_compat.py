@@ -414,6 +414,27 @@ def _no_jax_cache_writes():
         return contextlib.nullcontext()
 
 
+# JAX's own `jit`, resolved once, at import: nitro_ipy calls it, never `jax.jit` by attribute, so a `jax.jit`
+# pointed at `nitro_ipy.jit` (the extension's adoption, JAX's test suite run through nitro_ipy) never
+# recurses. (`jax._src.api.jit` is the object `jax.jit` re-exports.)
+try:
+    from jax._src.api import jit as jax_jit
+except ImportError:  # pragma: no cover - moved in a later JAX: the public name, read before anyone patches it
+    jax_jit = jax.jit
+
+
+def exclude_from_tracebacks(path: str) -> None:
+    """Have JAX treat frames of `path` as its own (`source_info_util.register_exclusion`, which equinox
+    calls for its files): the locations JAX reports (`jax_explain_cache_misses`, equation source lines)
+    are the user's. Without it (a JAX that moved it) they may name nitro_ipy's file."""
+    try:
+        from jax._src import source_info_util
+
+        source_info_util.register_exclusion(path)
+    except (ImportError, AttributeError):  # pragma: no cover
+        pass
+
+
 # ---------------------------------------------------------------- the configuration a trace depends on
 def _trace_context_api() -> tuple:
     """`(trace_context, names)`: JAX's own `config.trace_context` (what its jit caches key on: one tuple of

@@ -22,6 +22,7 @@ from .._base._compat import (
     OPTIMIZATION_LEVEL_OPTION,
     XLA_RUNTIME_ERRORS,
     YNN_FUSION_OPTION,
+    jax_jit,
     jaxpr_eqns,
     own_compile,
     raise_deoptimized,
@@ -331,7 +332,7 @@ def _trace_and_compile(key, fn, args, donate_argnums, info, record, compiler_opt
     if debug:  # as `jax.jit` under `debug_nans`: no donation, so a de-optimized re-run has its inputs
         donate_argnums = ()
     placed = {} if out_shardings is None else {"out_shardings": out_shardings}
-    jitted = jax.jit(fn, donate_argnums=donate_argnums, **placed)
+    jitted = jax_jit(fn, donate_argnums=donate_argnums, **placed)
     t0 = time.perf_counter()
     for _ in range(RETRACES):
         evictions = _cache.evictions()
@@ -344,7 +345,7 @@ def _trace_and_compile(key, fn, args, donate_argnums, info, record, compiler_opt
             _cache.evict_user_traces()
             if _world.cell_busy():
                 raise Unsettled()
-            jitted = jax.jit(_fresh(fn), donate_argnums=donate_argnums, **placed)
+            jitted = jax_jit(_fresh(fn), donate_argnums=donate_argnums, **placed)
             continue
         if _cache.evictions() == evictions:
             break
@@ -353,7 +354,7 @@ def _trace_and_compile(key, fn, args, donate_argnums, info, record, compiler_opt
         _cache.evict_user_traces()
         if closure is not None and closure.drift({}):
             break  # it ran the old code and says so: dropped (compile ahead) or poisoned by the next scan
-        jitted = jax.jit(_fresh(fn), donate_argnums=donate_argnums, **placed)  # traced again, past JAX's
+        jitted = jax_jit(_fresh(fn), donate_argnums=donate_argnums, **placed)  # traced again, past JAX's
         # cache of `fn`'s traces: its closure says it is current, yet it may have used an old inner trace
     else:
         if speculative and not settled:

@@ -3,20 +3,26 @@
 A jitted function is not a fixed point: after an edit that moves what its trace depended on, its next
 call compiles against the live code, once, and says why in one line. Between edits it is `jax.jit`:
 
+- **Shared state.** Every `jit` of one function with the same options shares one `_State`, found through
+  a table keyed weakly on the function (as `jax.jit`'s share JAX's caches): `jit(f)(x)` written inline
+  costs a lookup. The state holds the function weakly; each `_Jitted` holds it strongly.
 - **Hot path.** Each *generation* (the function as traced against one version of the code) holds an
-  inner `jax.jit`; a call compares the world counter with the one it last checked at and calls that
-  inner object, so JAX's C++ dispatch does the work. The inner function JAX traces (`_Generation.traced`)
-  notes that a trace ran; only then, after the call, does this module record the trace's dependency
-  closure and put the program in the cache (`_Jitted._after_trace`): JAX keeps the trace and the
-  executable it just built, so recording them re-traces and re-compiles nothing.
+  inner `jax.jit` of a `_Traced` wrapper; a call compares the world counter with the one the state last
+  checked at and calls that inner object, so JAX's C++ dispatch does the work. The wrapper notes that a
+  trace ran; only then, after the call, does this module record the trace's dependency closure and put
+  the program in the cache (`_State._after_trace`): JAX keeps the trace and the executable it just
+  built, so recording them re-traces and re-compiles nothing.
 - **World moved.** The drift scan runs (`_cache.ensure_fresh`); a generation whose programs were
   poisoned, or whose nested traces' closures drifted, is replaced by a new one (or by a kept older one
   that is current again: an undone edit compiles nothing).
 - **Adoption.** The first call of a generation looks its key up in the cache, then in the program store:
-  a program compiled for the same code and arguments (the cell re-run, a restarted kernel) is called
-  directly (`Compiled`), without a trace. A call that does not fit it goes to the inner `jax.jit`.
+  a program compiled for the same code and arguments (the cell re-run, a restarted kernel; not one
+  compiled in the same world) is called directly (`_jit_args.Adopted`), without a trace, while JAX's
+  configuration is the one it was adopted under. A call that does not fit it goes to the inner `jax.jit`.
 - **Nested.** Called inside another trace (`jax.grad`, `vmap`, an outer `jit`, `lax.scan`), JAX inlines
   it as `jax.jit` does; the outer recording sees its functions, and no program of its own is made.
+- **JAX's API.** `lower`, `trace` and `eval_shape` go through the inner `jax.jit` (sharing its traces);
+  errors, `repr`, names and attributes are JAX's (`tools/jax_jit_suite.py` runs JAX's own tests).
 """
 
 from __future__ import annotations
@@ -30,13 +36,18 @@ import weakref
 import jax
 
 from .. import _closure
-from .._base import _compat, _events, _report
-from .._base._compat import XLA_RUNTIME_ERRORS
+from .._base import _events, _report
+from .._base._compat import (
+    XLA_RUNTIME_ERRORS,
+    exclude_from_tracebacks,
+    jax_jit,
+)
 from .._base._fingerprint import Unfingerprintable, fingerprint, function_fingerprint
 from .._base._report import Kind
 from .._base._world import world
 from . import _cache, _context, _store
 from ._explain import explain_miss
+from ._jit_args import Adopted, Pinned, StaticArgs, short_repr
 
 try:  # whether the caller is inside a trace (then JAX inlines the call: no program of its own)
     from jax._src.core import trace_state_clean as _top_level
@@ -44,6 +55,7 @@ except ImportError:  # pragma: no cover - moved in a later JAX: tell by the outp
     _top_level = None
 
 KIND = "jit"
+exclude_from_tracebacks(__file__)  # JAX's user frames (error locations, cache-miss lines) are the caller's
 # Generations a function keeps, newest last: an undone edit finds its old programs current again.
 KEPT_GENERATIONS = 4
 # Closures of nested traces a generation keeps (their drift replaces the generation).
@@ -52,7 +64,8 @@ NESTED_CLOSURES = 16
 # compiled and they outnumber the calls that reused one.
 LOOP_COMPILES = 4
 
-_live: weakref.WeakSet = weakref.WeakSet()  # every `_Jitted`, for hit counting and resets
+_born: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # entry -> the world it was compiled in
+_live: weakref.WeakSet = weakref.WeakSet()  # every `_State`, for hit counting and resets
 
 
 def jit(fun=None, /, *, static_argnums=None, static_argnames=None, donate_argnums=None, donate_argnames=None,
@@ -68,54 +81,108 @@ def jit(fun=None, /, *, static_argnums=None, static_argnames=None, donate_argnum
     **Returns:** a callable that keeps `__wrapped__`, `__name__` and `__doc__`, with `lower`, `trace`
     and `eval_shape` as a jitted function has them, and that binds as a method.
     """
+    if fun is None:
+        return functools.partial(jit, static_argnums=static_argnums, static_argnames=static_argnames,
+                                 donate_argnums=donate_argnums, donate_argnames=donate_argnames, **options)
+    # Every `jit` of one function with the same options shares one state, as `jax.jit`'s share JAX's caches
+    # (keyed on the function): `jit(f)(x)` written inline costs a lookup, not a new trace or fingerprint.
+    key = (_frozen(static_argnums), _frozen(static_argnames), _frozen(donate_argnums), _frozen(donate_argnames),
+           tuple(sorted(options.items())) if options else ())
+    known = _shared.get(id(fun))
+    if known is not None and known[0]() is fun:
+        try:
+            state = known[1].get(key)
+        except TypeError:  # an option that does not hash (a list of shardings): a state of its own
+            state = None
+        if state is not None:
+            return state.cls(fun, state)
     settings = dict(static_argnums=static_argnums, static_argnames=static_argnames, donate_argnums=donate_argnums,
                     donate_argnames=donate_argnames, **options)
-    if fun is None:
-        return functools.partial(jit, **settings)
-    return _fast_class(fun)(fun, settings)
+    checked = jax_jit(fun, **settings)  # JAX's own errors (a generator, a staticmethod, options), at decoration
+    try:
+        weakref.ref(fun)
+    except TypeError:
+        # JAX's own object: its call raises JAX's error (it keys its caches on the function, weakly). (And a
+        # second `jax.jit` of such a callable crashes the process in JAX 0.10: there is no inner one.)
+        return checked
+    state = _State(fun, settings)
+    jitted = state.cls(fun, state)
+    _share(fun, key, state)
+    return jitted
 
 
-def _as_tuple(x, kind) -> tuple | None:
-    if x is None:
-        return None
-    if isinstance(x, kind):
-        return (x,)
-    return tuple(x)
+def _frozen(x):
+    return tuple(x) if isinstance(x, list) else x
+
+
+# id(function) -> (weak reference to it, {options: _State}); an entry goes with its function.
+_shared: dict[int, tuple] = {}
+
+
+def _share(fun, key, state) -> None:
+    try:
+        hash(key)
+        known = _shared.get(id(fun))
+        if known is None or known[0]() is not fun:
+            ident = id(fun)
+            known = (weakref.ref(fun, lambda _ref: _shared.pop(ident, None)), {})
+            _shared[ident] = known
+    except TypeError:  # a callable that cannot be weakly referenced, an unhashable option: not shared
+        return
+    known[1][key] = state
+
+
+class _Traced:
+    """What JAX traces for one generation: the user's function, with the trace's start, length and
+    recording noted for the call that triggered it (`_State._after_trace`).
+
+    It holds the function and the state weakly (the state is shared through a table keyed on the function,
+    so it must not keep the function alive), and shows JAX the function through `__wrapped__`,
+    `__signature__` and its names: static argument names resolve, the lowered module is named after the
+    function, and debug info and `jax_explain_cache_misses` point at the user's own file."""
+
+    def __init__(self, state: _State, gen: _Generation, fun):
+        self._fun, self._state, self._gen = state.fun, weakref.ref(state), weakref.ref(gen)
+        try:
+            self.__signature__ = inspect.signature(fun)
+        except (TypeError, ValueError):
+            pass
+        self.__name__ = _fun_name(fun)
+        self.__qualname__ = getattr(fun, "__qualname__", self.__name__)
+        self.__module__ = getattr(fun, "__module__", None)
+        self.__doc__ = getattr(fun, "__doc__", None)
+
+    @property
+    def __wrapped__(self):
+        return self._fun()
+
+    def __call__(self, *args, **kwargs):
+        fun = self._fun()
+        t0 = time.perf_counter()
+        with _closure.record() as recorder:
+            out = fun(*args, **kwargs)
+        state = self._state()
+        if state is not None:
+            state.traced = (self._gen(), t0, time.perf_counter() - t0, recorder)
+        return out
 
 
 class _Generation:
     """The function as traced against one version of the code: its inner `jax.jit`, the programs it
     compiled or adopted, and the closures of its nested traces."""
 
-    __slots__ = ("inner", "traced", "entries", "closures", "fingerprint", "compiles", "hits", "looped",
-                 "adopted", "aot", "__weakref__")
+    __slots__ = ("inner", "entries", "closures", "fingerprint", "compiles", "hits", "looped", "adopted",
+                 "__weakref__")
 
-    def __init__(self, owner: _Jitted):
-        fun = owner.__wrapped__
-        ref = weakref.ref(owner)
-
-        def traced(*args, **kwargs):
-            # What JAX traces: the user's function, with the trace's start, length and recording noted
-            # for the call that triggered it (`_Jitted._after_trace`).
-            t0 = time.perf_counter()
-            with _closure.record() as recorder:
-                out = fun(*args, **kwargs)
-            jitted = ref()
-            if jitted is not None:
-                jitted.traced = (self, t0, time.perf_counter() - t0, recorder)
-            return out
-
-        functools.update_wrapper(traced, fun)  # JAX reads the signature and the name through it
-        self.traced = traced
-        self.inner = jax.jit(traced, **owner.settings)  # JAX's own errors for bad options, at decoration
+    def __init__(self, state: _State, fun):
+        self.inner = jax_jit(_Traced(state, self, fun), **state.settings)
         self.entries: list = []
         self.closures: list = []
         self.fingerprint = None
         self.compiles = 0
         self.hits = 0
         self.looped = False
-        self.adopted = False
-        self.aot = None  # the `jax.jit` that `lower`, `trace` and `eval_shape` go through
+        self.adopted: set = set()  # the JAX configurations a program was looked up for (`_adopt`)
 
     def current(self, memo: dict) -> bool:
         """Whether nothing this generation's programs and nested traces depended on moved."""
@@ -128,72 +195,146 @@ class _Generation:
 
 
 class _Jitted:
-    """What `nitro_ipy.jit` returns. The call is the hot path: one world comparison, then the current
-    generation's callable (the inner `jax.jit`, or an adopted program)."""
+    """What `nitro_ipy.jit` returns: the function (`__wrapped__`, its names and attributes, as `jax.jit`'s
+    object keeps them) and the state shared by every `jit` of it with the same options. The call is the
+    hot path: one world comparison, then the current generation's callable (the inner `jax.jit`, or an
+    adopted program)."""
+
+    def __init__(self, fun, state: _State):
+        d = self.__dict__
+        d.update(getattr(fun, "__dict__", ()))  # `functools.wraps`'s attributes, as `jax.jit` forwards them
+        for name in functools.WRAPPER_ASSIGNMENTS:
+            try:
+                d[name] = getattr(fun, name)
+            except AttributeError:
+                pass
+        d["__wrapped__"] = fun
+        d["_s"] = state
+
+    # ------------------------------------------------------------ the hot path
+    def __call__(self, *args, **kwargs):
+        s = self._s
+        if s.world == world():
+            s.calls += 1
+            try:
+                out = s.call(*args, **kwargs)
+            except TypeError:
+                s.calls -= 1
+                if s.call is s.gen.inner:
+                    raise
+                return s._misfit(args, kwargs)
+            except BaseException:
+                s.calls -= 1  # a call that raised reused nothing
+                raise
+            if s.traced is not None:
+                return s._after_trace(args, kwargs, out)
+            return out
+        return s._enter(args, kwargs)
+
+    def __get__(self, obj, objtype=None):
+        return self if obj is None else types.MethodType(self, obj)
+
+    @property
+    def qualified(self) -> str:
+        """The name its programs are keyed and shown under (the adoption of `eqx.filter_jit` sets it)."""
+        return self._s.qualified
+
+    @qualified.setter
+    def qualified(self, name: str) -> None:
+        self._s.qualified = name
+
+    def __repr__(self):  # JAX's
+        try:
+            return f"<PjitFunction of {self.__wrapped__!r}>"
+        except Exception:  # noqa: BLE001 - a failing repr, a deleted `__wrapped__`
+            return "<PjitFunction>"
+
+    def __reduce__(self):
+        return _rejit, (self.__wrapped__, self._s.settings)
+
+    def __getstate__(self):  # JAX's fields (`function_name`, ...)
+        return self._s.gen.inner.__getstate__()
+
+    # ------------------------------------------------------------ jax.jit's other methods
+    def trace(self, *args, **kwargs):
+        return self._s.ahead_of_time("trace", args, kwargs)
+
+    def lower(self, *args, **kwargs):
+        return self._s.ahead_of_time("lower", args, kwargs)
+
+    def eval_shape(self, *args, **kwargs):
+        return self._s.ahead_of_time("eval_shape", args, kwargs)
+
+    def _cache_size(self) -> int:
+        """The programs the function holds now, as `jax.jit`'s `_cache_size()` counts them."""
+        s = self._s
+        return s.gen.inner._cache_size() + (s.call is not s.gen.inner)
+
+    def clear_cache(self) -> None:
+        """Drop the function's compiled programs (JAX's and nitro_ipy's cache's): its next call compiles."""
+        self._s.clear()
+
+
+def _rejit(fun, settings):
+    return jit(fun, **settings)
+
+
+def _fun_name(fun) -> str:
+    """The name JAX gives a function (its lowered module's `jit_<name>`): a partial's function's."""
+    name = getattr(fun, "__name__", None)
+    while name is None and isinstance(fun, functools.partial):
+        fun = fun.func
+        name = getattr(fun, "__name__", None)
+    return name if isinstance(name, str) else "<unnamed function>"
+
+
+class _State:
+    """One function jitted with one set of options: its generations, the callable that serves calls, the
+    hit count. Shared by every `jit` of the function with those options; holds the function weakly."""
 
     def __init__(self, fun, settings: dict):
-        if not callable(fun):
-            jax.jit(fun)  # JAX's own error for a non-callable
-        functools.update_wrapper(self, fun, updated=())
+        self.fun = weakref.ref(fun)
         self.settings = settings
         self.world = -1  # the world last checked at: the first call checks
         self.calls = 0  # calls since the last hit count (`_flush_hits`)
         self.traced = None  # set by a trace during the current call
         base = getattr(fun, "func", fun)  # a functools.partial: named after its function
         self.qualified = f"{getattr(base, '__module__', None) or '?'}.{getattr(base, '__qualname__', None) or type(base).__qualname__}"
-        self._static = _StaticArgs(fun, settings)
+        self._static = StaticArgs(fun, settings)
         self._options = tuple(sorted(
             (name, repr(value)) for name, value in settings.items()
             if value is not None and name not in ("static_argnums", "static_argnames")
         ))
-        self.gen = _Generation(self)
+        self.cls = _fast_class(fun)
+        self.gen = _Generation(self, fun)
         self.kept: list[_Generation] = [self.gen]
         self.call = self.gen.inner
         _live.add(self)
 
-    # ------------------------------------------------------------ the hot path
-    def __call__(self, *args, **kwargs):
-        if self.world == world():
-            self.calls += 1
-            try:
-                out = self.call(*args, **kwargs)
-            except TypeError:
-                self.calls -= 1
-                if self.call is self.gen.inner:
-                    raise
-                return self._misfit(args, kwargs)
-            except BaseException:
-                self.calls -= 1  # a call that raised reused nothing
-                raise
-            if self.traced is not None:
-                return self._after_trace(args, kwargs, out)
-            return out
-        return self._enter(args, kwargs)
+    def clear(self) -> None:
+        """`clear_cache()`: the programs of every generation leave the cache (and free their executables);
+        the next call traces and compiles afresh."""
+        _flush_one(self)
+        for gen in self.kept:
+            for entry in gen.entries:
+                if _cache.peek(entry.key) is entry:
+                    _cache.discard(entry.key)
+            gen.inner.clear_cache()
+        self.new_generation()
 
-    def __get__(self, obj, objtype=None):
-        return self if obj is None else types.MethodType(self, obj)
+    def new_generation(self) -> None:
+        self.calls = 0
+        self.gen = _Generation(self, self.fun())
+        self.kept = [self.gen]
+        self.call = self.gen.inner
+        self.world = -1
 
-    def __repr__(self):
-        return f"<nitro_ipy.jit of {self.qualified}>"
-
-    # ------------------------------------------------------------ jax.jit's other methods
-    def trace(self, *args, **kwargs):
-        return self._aot("trace", args, kwargs)
-
-    def lower(self, *args, **kwargs):
-        return self._aot("lower", args, kwargs)
-
-    def eval_shape(self, *args, **kwargs):
-        return self._aot("eval_shape", args, kwargs)
-
-    def _aot(self, method, args, kwargs):
-        # A `jax.jit` of its own per generation: a trace JAX caches for `lower` must not stand in for the
-        # trace of the call that compiles (which would then run no Python, and go unrecorded).
+    def ahead_of_time(self, method: str, args, kwargs):
+        """`trace`, `lower` or `eval_shape` through the current generation's inner `jax.jit`, so that they
+        share its traces as `jax.jit`'s do. A trace they run stays noted (`traced`): the call that JAX then
+        compiles from that cached trace runs no Python, and is recorded and cached from the note."""
         self._refresh()
-        gen = self.gen
-        if gen.aot is None:
-            gen.aot = jax.jit(self.__wrapped__, **self.settings)
-        return getattr(gen.aot, method)(*args, **kwargs)
+        return getattr(self.gen.inner, method)(*args, **kwargs)
 
     # ------------------------------------------------------------ after an edit
     def _refresh(self) -> None:
@@ -210,7 +351,7 @@ class _Jitted:
                 self.gen = again[-1]
                 self.kept.remove(self.gen)
             else:
-                self.gen = _Generation(self)
+                self.gen = _Generation(self, self.fun())
             self.kept = [*self.kept, self.gen][-KEPT_GENERATIONS:]
             self.call = self.gen.inner
         self.world = now
@@ -218,10 +359,12 @@ class _Jitted:
     def _enter(self, args, kwargs):
         self._refresh()
         gen = self.gen
-        if not gen.adopted and self.call is gen.inner and (_top_level is None or _top_level()):
-            gen.adopted = True
+        context = _context.current()
+        if context not in gen.adopted and self.call is gen.inner and (_top_level is None or _top_level()):
+            gen.adopted.add(context)  # once per configuration: the store may hold this one's program
             adopted = self._adopt(args, kwargs)
             if adopted is not None:
+                self.traced = None  # a note `lower` left: this call runs the adopted program, no trace
                 try:
                     return self.call(*args, **kwargs)  # a hit (the lookup counted it) or a load (a miss)
                 except TypeError:
@@ -243,6 +386,12 @@ class _Jitted:
             key, info, statics = self._key(args, kwargs, self.gen)
         except Exception:  # noqa: BLE001 - an unhashable static, say: JAX's call raises its own error
             return None
+        known = _cache.peek(key)
+        if known is not None and _born.get(known) == world():
+            # Compiled since the last cell ran (or, in a script, since the last `bump_world()`): a new
+            # function of the same code made in a loop, say. It traces as with `jax.jit`; a re-run cell,
+            # a restarted kernel, adopt.
+            return None
         entry = _cache.lookup(key)
         # Not from disk for a function that donates: a stored program's first run may fail after XLA took
         # the donated buffers, and the retry would have none.
@@ -257,8 +406,8 @@ class _Jitted:
         if entry is None or entry.poisoned or entry.call is None:
             return None
         self.gen.entries.append(entry)
-        call = _Direct(entry.call, self._static, statics) if statics else entry.call
-        self.call = _Pinned(call, key.context, self.__wrapped__)
+        call = Adopted(entry.call, self._static, statics) if statics else entry.call
+        self.call = Pinned(call, key.context, self.fun)
         return entry
 
     def _misfit(self, args, kwargs):
@@ -304,7 +453,7 @@ class _Jitted:
         if recorder.mode == "traceback":  # the trace's functions are read from its jaxpr's tracebacks
             with _closure.record() as recorder:
                 traced = gen.inner.trace(*args, **kwargs)  # JAX's cached trace: no Python runs again
-                recorder.traced(traced.jaxpr, self.__wrapped__)
+                recorder.traced(traced.jaxpr, self.fun())
         elif not nested:
             traced = gen.inner.trace(*args, **kwargs)
         closure = recorder.closure
@@ -324,6 +473,7 @@ class _Jitted:
         if _cache.peek(key) is not None:
             _cache.discard(key)  # compiled again (a call an adopted program did not fit came back)
         _cache.store(entry)
+        _born[entry] = world()
         gen.entries.append(entry)
         gen.compiles += 1
         if not unstorable and entry.closure is not None:
@@ -342,9 +492,9 @@ class _Jitted:
         signature, its static arguments' fingerprints (their reprs in `info`, for explanations)."""
         if gen.fingerprint is None:
             try:
-                gen.fingerprint = function_fingerprint(self.__wrapped__)
+                gen.fingerprint = function_fingerprint(self.fun())
             except Exception:  # noqa: BLE001 - a callable object, a cell holding a lock: not storable
-                gen.fingerprint = f"id:{id(self.__wrapped__)}"
+                gen.fingerprint = f"id:{id(self.fun())}"
         dyn_args, dyn_names, dyn_kwargs, statics = self._static.split(args, kwargs)
         tree, sigs = _cache.arg_signature(tuple(dyn_args), tuple(dyn_names))
         for name in sorted(dyn_kwargs):
@@ -357,7 +507,7 @@ class _Jitted:
             except Unfingerprintable as err:
                 fp, unstorable = f"id:{id(value)}", f"static argument `{label}`: {err}"
             fps.append((label, fp))
-            shown[label] = (fp, _short_repr(value))
+            shown[label] = (fp, short_repr(value))
         info = {"graphconst": shown, "graphconst_label": "static argument", "hook_label": "function"}
         if unstorable:
             info["unstorable"] = unstorable
@@ -366,120 +516,36 @@ class _Jitted:
         return key, info, statics
 
 
-def _short_repr(value, n: int = 60) -> str:
-    try:
-        text = repr(value)
-    except Exception:  # noqa: BLE001
-        text = f"<{type(value).__qualname__}>"
-    return text if len(text) <= n else text[: n - 3] + "..."
-
-
-class _StaticArgs:
-    """Which arguments of a call are static, as `jax.jit` decides it: `static_argnums` and
-    `static_argnames`, each inferred from the other through the function's signature."""
-
-    def __init__(self, fun, settings: dict):
-        nums = _as_tuple(settings.get("static_argnums"), int)
-        names = _as_tuple(settings.get("static_argnames"), str)
-        try:
-            params = list(inspect.signature(fun).parameters.values())
-        except (TypeError, ValueError):
-            params = []
-        self.positional = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
-        either = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
-        if nums is not None and names is None:
-            names = tuple(self.positional[i] for i in nums if -len(self.positional) <= i < len(self.positional)
-                          and self.positional[i] in either)
-        elif names is not None and nums is None:
-            nums = tuple(i for i, n in enumerate(self.positional) if n in names and n in either)
-        self.nums, self.names = nums or (), frozenset(names or ())
-        self.any = bool(self.nums or self.names)
-
-    def split(self, args: tuple, kwargs: dict):
-        """`(dynamic positional args, their labels, dynamic keyword args, [(label, static value)])`."""
-        if not self.any:
-            labels = [self.positional[i] if i < len(self.positional) else f"arg{i}" for i in range(len(args))]
-            return args, labels, kwargs, []
-        static_pos = {i % len(args) for i in self.nums if -len(args) <= i < len(args)} if args else set()
-        dyn, labels, statics = [], [], []
-        for i, a in enumerate(args):
-            label = self.positional[i] if i < len(self.positional) else f"arg{i}"
-            if i in static_pos:
-                statics.append((label, a))
-            else:
-                dyn.append(a)
-                labels.append(label)
-        dyn_kwargs = {}
-        for k, v in kwargs.items():
-            if k in self.names:
-                statics.append((k, v))
-            else:
-                dyn_kwargs[k] = v
-        return dyn, labels, dyn_kwargs, statics
-
-
-class _Direct:
-    """An adopted program for a function with static arguments: called with the dynamic ones, when the
-    static ones equal those it was compiled for (else `TypeError`, and the inner `jax.jit` takes over)."""
-
-    __slots__ = ("compiled", "static", "statics")
-
-    def __init__(self, compiled, static: _StaticArgs, statics: list):
-        self.compiled, self.static, self.statics = compiled, static, statics
-
-    def __call__(self, *args, **kwargs):
-        dyn, _labels, dyn_kwargs, statics = self.static.split(args, kwargs)
-        if statics != self.statics:
-            raise TypeError("static arguments differ from the adopted program's")
-        return self.compiled(*dyn, **dyn_kwargs)
-
-
-class _Pinned:
-    """An adopted program, for the JAX configuration it was compiled under (`_context.py`). Called under
-    another one (`jax.enable_x64(True)` around a call) it raises `TypeError`, and the inner `jax.jit`
-    takes over, keyed on the configuration as JAX keys it. Under `debug_nans`/`debug_infs`, a NaN or
-    infinite output is re-run de-optimized and raises JAX's `FloatingPointError` naming the primitive,
-    as `jax.jit` does (an AOT executable alone lets JAX's internal error escape)."""
-
-    __slots__ = ("call", "context", "fun")
-
-    def __init__(self, call, context, fun):
-        self.call, self.context, self.fun = call, context, fun
-
-    def __call__(self, *args, **kwargs):
-        if _context.current() != self.context:
-            raise TypeError("the JAX configuration differs from the adopted program's")
-        try:
-            return self.call(*args, **kwargs)
-        except _compat.INTERNAL_FLOATING_POINT_ERROR as err:
-            _compat.raise_deoptimized(err, self.fun, args, kwargs)
-
-
 # ---------------------------------------------------------------- the hot path, by signature
 # `__call__(self, *args, **kwargs)` packs the arguments and unpacks them again for JAX: on a tiny function
 # that is a third of the wrapper's cost (a 5 us dispatch: 1.12x against 1.08x, `benchmarks/bench_jit.py`).
 # A function whose parameters are all plain (positional or keyword, no defaults, no `*args`/`**kwargs`)
-# gets a `__call__` with its own parameters, passed on by position: `jax.jit` resolves static and donated
-# arguments by name and by position alike, so the program is the same.
+# gets a `__call__` with its own parameters, positional-only, passed on by position. A call that passes
+# one by keyword (or leaves one out) takes the general `__call__`: JAX traces `f(x, y=1)` apart from
+# `f(x, 1)` and reads `static_argnums` for positions only, so the keyword must reach it as a keyword.
 _FAST_CALL = """
-def __call__(__nitro_self, {params}):
-    if __nitro_self.world == world():
-        __nitro_self.calls += 1
+def __call__(__nitro_self, {defaulted}, /, **__nitro_kw):
+    if __nitro_kw or {last} is __nitro_na:  # a keyword or a missing argument: JAX tells them apart
+        return __nitro_generic(__nitro_self, *[a for a in ({params},) if a is not __nitro_na], **__nitro_kw)
+    __nitro_s = __nitro_self._s
+    if __nitro_s.world == __nitro_world():
+        __nitro_s.calls += 1
         try:
-            out = __nitro_self.call({params})
+            out = __nitro_s.call({params})
         except TypeError:
-            __nitro_self.calls -= 1
-            if __nitro_self.call is __nitro_self.gen.inner:
+            __nitro_s.calls -= 1
+            if __nitro_s.call is __nitro_s.gen.inner:
                 raise
-            return __nitro_self._misfit(({params},), {{}})
+            return __nitro_s._misfit(({params},), {{}})
         except BaseException:
-            __nitro_self.calls -= 1
+            __nitro_s.calls -= 1
             raise
-        if __nitro_self.traced is not None:
-            return __nitro_self._after_trace(({params},), {{}}, out)
+        if __nitro_s.traced is not None:
+            return __nitro_s._after_trace(({params},), {{}}, out)
         return out
-    return __nitro_self._enter(({params},), {{}})
+    return __nitro_s._enter(({params},), {{}})
 """
+_NA = object()  # an argument not passed by position
 _fast_classes: dict = {}  # parameter names -> the `_Jitted` subclass with that `__call__`
 _FAST_LIMIT = 256
 
@@ -496,8 +562,10 @@ def _fast_class(fun) -> type:
     names = tuple(p.name for p in params)
     cls = _fast_classes.get(names)
     if cls is None:
-        ns = {"world": world}
-        exec(compile(_FAST_CALL.format(params=", ".join(names)), __file__, "exec"), ns)  # library code
+        ns = {"__nitro_world": world, "__nitro_na": _NA, "__nitro_generic": _Jitted.__call__}
+        source = _FAST_CALL.format(params=", ".join(names), last=names[-1],
+                                   defaulted=", ".join(f"{n}=__nitro_na" for n in names))
+        exec(compile(source, __file__, "exec"), ns)  # library code
         cls = type("_Jitted", (_Jitted,), {"__call__": ns["__call__"], "__module__": __name__})
         cls.__qualname__ = _Jitted.__qualname__  # fingerprints name the wrapper type: one name for all
         if len(_fast_classes) >= _FAST_LIMIT:
@@ -510,16 +578,16 @@ def _fast_class(fun) -> type:
 def _flush_hits() -> None:
     """Count the calls that reused a program since the last count as cache hits, on the function's
     newest program (a function with several shapes has its hits counted on the newest one)."""
-    for jitted in list(_live):
-        _flush_one(jitted)
+    for state in list(_live):
+        _flush_one(state)
 
 
-def _flush_one(jitted: _Jitted) -> None:
-    n = jitted.calls
+def _flush_one(state: _State) -> None:
+    n = state.calls
     if n <= 0:
         return
-    jitted.calls -= n
-    gen = jitted.gen
+    state.calls -= n
+    gen = state.gen
     gen.hits += n
     if gen.entries:
         _cache.count_hit(gen.entries[-1], n)
@@ -529,12 +597,9 @@ def _on_reset() -> None:
     """`cache_reset()` is the escape hatch for an edit nothing tracks: every jitted function compiles
     afresh on its next call (a handle built before it keeps its programs; a jitted function is no fixed
     point)."""
-    for jitted in list(_live):
-        jitted.calls = 0
-        jitted.gen = _Generation(jitted)
-        jitted.kept = [jitted.gen]
-        jitted.call = jitted.gen.inner
-        jitted.world = -1
+    for state in list(_live):
+        if state.fun() is not None:
+            state.new_generation()
 
 
 _events.subscribe("counting", _flush_hits)

@@ -42,6 +42,7 @@ import jax
 
 from .. import _closure
 from .._base import _memo, _world
+from .._base._compat import jax_jit
 from . import _cache
 
 ENV = "NITRO_IPY_TRACE_REUSE"
@@ -106,7 +107,7 @@ class Forward:
 
     def __init__(self, call, root):
         self.call, self.root = call, root
-        self.jitted = jax.jit(self._trace)
+        self.jitted = jax_jit(self._trace)
         self.sig = None  # (treedef, avals) of the arguments it was traced for
         self.kept = ((), (), ())  # what the recording of its trace saw (`_closure.replay`)
         self.closure = None  # that recording's closure: the freshness test
@@ -156,7 +157,7 @@ def warm(key, forward: Forward, program, args) -> bool:
     evictions, generation, mark = _cache.evictions(), _cache.generation(), _world.settle_mark()
     try:
         with _quiet():
-            jax.jit(program).trace(*args)
+            jax_jit(program).trace(*args)
         forward.finish()
     except Exception:  # an optimisation only: the next build traces plainly and warms again
         return False

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from .. import _closure
+from .._base._compat import jax_jit
 from .._base._errors import NitroValueError
 from .._base._fingerprint import Unfingerprintable, fingerprint, function_fingerprint
 from .._base._live import live_callable, live_value
@@ -135,7 +136,7 @@ def abstract_init(cls, init, experiment, seed: int):
             return shapes
     fn = lambda: _arrays_only(init(experiment, jax.random.PRNGKey(seed)))  # noqa: E731
     with _closure.record() as recorder:
-        traced = jax.jit(fn).trace()
+        traced = jax_jit(fn).trace()
         recorder.traced(traced.jaxpr, init)
     shapes = traced.out_info
     closure = recorder.closure
