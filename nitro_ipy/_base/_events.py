@@ -26,6 +26,8 @@ EVENTS = {
     "stepping": "(running: bool): a step loop passed its first step (True), or that loop ended (False)",
     "progress": "(): a training handle reached a periodic sync point (about every 0.25 s, never per step)",
     "run": "(run): a background run (`Run`) started or ended (`run.done` tells which)",
+    "compiled": "(entry, ahead: bool): this thread put `entry` in the cache: compiled, loaded from the store, or "
+                "taken compiled ahead (`ahead`); signalled once it is in, so a compile guard may raise",
 }
 
 _lock = threading.Lock()

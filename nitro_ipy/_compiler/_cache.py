@@ -349,6 +349,8 @@ def lookup(key: Key) -> Entry | None:
         entry = _serving(key)
         said = _served(entry) if entry is not None else ()
     _say(said)
+    if said:  # taken compiled ahead: for this thread, the compile it would have run (a guard counts it)
+        _events.signal("compiled", entry, True)
     return entry
 
 
@@ -410,6 +412,8 @@ def claim(key: Key, generation: int | None = None) -> tuple[Entry | None, Claim 
                 said = _served(entry)
         if entry is not None:
             _say(said)
+            if said:  # taken compiled ahead (`lookup`)
+                _events.signal("compiled", entry, True)
             return entry, None
         _events.publish("awaiting")
         pending.done.wait()

@@ -117,6 +117,7 @@ def compile_program(
     for nbytes, shape, dtype, origin in entry.constants:
         _report.emit(Kind.LARGE_CONSTANT, program=entry.kind, nbytes=nbytes, shape=shape, dtype=dtype,
                      origin=origin)
+    _events.signal("compiled", entry, False)  # a compile guard (`_guards`) may raise here
     return entry
 
 
