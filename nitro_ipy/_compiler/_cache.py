@@ -258,7 +258,7 @@ class _State:
         self.hits = 0
         self.misses = 0
         self.scanned_world = -1
-        self.disk_reported: set[str] = set()
+        self.disk_reported: dict[str, str | None] = {}  # name -> the file version its edit was said for
         self.generation = generation
         self.compiling: dict[Key, "Claim"] = {}  # keys a thread is compiling now (single flight)
         # The served entries the drift scan poisoned in this generation, numbered: what an edit moved
@@ -608,7 +608,7 @@ def _scan_entries() -> None:
     memo: dict = {}
     poisoned, names = [], []
     evict = False  # a program was poisoned (said, or an unused one compiled ahead dropped)
-    disk: list[str] = []
+    disk: dict[str, str | None] = {}  # name -> digest of the file version it is edited in
     held = _held_poisoned()
     for entry in [*_state.entries.values(), *_state.orphans.alive()]:
         closure = entry.closure
@@ -621,7 +621,7 @@ def _scan_entries() -> None:
                 poisoned.append(entry)
                 names.extend(n for n in drifted if n not in names)
         else:
-            disk.extend(n for n in closure.disk_edits(memo) if n not in disk)
+            disk.update(closure.disk_edit_versions(memo))
     # An edit reverted (its dependencies fingerprint as at compile time again) makes a poisoned entry
     # current again: revived, it is served instead of compiled anew, and its old handles stop warning.
     # After the poisoning above, so the key it takes back is free when the reverted edit's own program
@@ -629,10 +629,11 @@ def _scan_entries() -> None:
     for entry in held:
         if entry.closure is not None and not entry.closure.drift(memo):
             revive(entry)
-    # Said once per edit: a name stays reported until it stops being a pending disk edit (reloaded).
-    _state.disk_reported &= set(disk)
-    disk = [n for n in disk if n not in _state.disk_reported]
-    _state.disk_reported.update(disk)
+    # Said once per edit: a name stays reported until it stops being a pending disk edit (reloaded), or
+    # its file is saved again with another version of it (a second edit is said too).
+    said = _state.disk_reported
+    _state.disk_reported = dict(disk)
+    disk = [n for n, version in disk.items() if said.get(n, "") != version]
     if evict:
         evict_user_traces()
     if poisoned:
