@@ -105,3 +105,29 @@ def test_a_background_run_s_trace_that_a_cell_crossed_is_traced_again(ip, capsys
     want = np.mean((np.tanh(x @ params["w"]) @ params["v"] + 3.0 - y) ** 2)
     np.testing.assert_allclose(ns["rows"][0]["loss"], want, rtol=1e-5)
     np.testing.assert_allclose(ns["t"].history[0]["loss"], want, rtol=1e-5)  # the run's own steps too
+
+
+def test_a_program_compiled_ahead_shows_in_the_panel_when_its_miss_is_counted(ip, capsys):
+    # Compile ahead counts its miss when the program enters the cache; its compile line waits for the
+    # handle that takes it. Meanwhile the panel shows it, marked as the background's.
+    from nitro_ipy._notebook._panel import AHEAD_NOTE, Panel
+
+    run(ip, capsys, TINY_EXPERIMENT)
+    run(ip, capsys, TRAIN)
+    idle()
+    panel = Panel(min_interval=0)
+    panel.attach()
+    try:
+        assert not panel.figures()["latest compile"].endswith(AHEAD_NOTE)
+        out = run(ip, capsys, "def helper(r):\n    return r ** 2 * 3\n")
+        idle()
+        stats = nitro_ipy.cache_stats()
+        assert (stats.misses, "compiled" in out) == (5, False)  # grad and eval compiled ahead, unsaid
+        figures = panel.figures()
+        assert figures["misses"] == "5" and figures["latest compile"].endswith(AHEAD_NOTE), figures
+        out = run(ip, capsys, "n2 = n.rebuild(); n2.train()")
+        assert out.count("compiled ahead after your edit") == 2, out  # said where the rebuild takes them
+        assert nitro_ipy.cache_stats().misses == 5
+        assert not panel.figures()["latest compile"].endswith(AHEAD_NOTE)
+    finally:
+        panel.detach()

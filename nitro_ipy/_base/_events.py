@@ -26,6 +26,8 @@ EVENTS = {
     "stepping": "(running: bool): a step loop passed its first step (True), or that loop ended (False)",
     "progress": "(): a training handle reached a periodic sync point (about every 0.25 s, never per step)",
     "run": "(run): a background run (`Run`) started or ended (`run.done` tells which)",
+    "ahead": "(entry): a program compiled in the background entered the cache (a miss); its compile line is "
+             "said when a handle takes it (then `compile` follows)",
     "compiled": "(entry, ahead: bool): this thread put `entry` in the cache: compiled, loaded from the store, or "
                 "taken compiled ahead (`ahead`); signalled once it is in, so a compile guard may raise",
 }

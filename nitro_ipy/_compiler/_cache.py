@@ -441,6 +441,8 @@ def store(entry: Entry, claimed: Claim | None = None) -> None:
             claimed.done.set()
     if not entry.untaken:  # one compiled ahead is said when a handle takes it (`_served`)
         _events.publish("compile", entry)
+    else:  # its miss counted now: the panel shows it as the background's (a line comes when it is taken)
+        _events.publish("ahead", entry)
 
 
 def moved_since(mark: tuple | None) -> tuple[tuple, list]:
