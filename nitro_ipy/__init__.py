@@ -20,6 +20,9 @@ from ._base._world import world as world
 from ._compiler._cache import CacheStats as CacheStats
 from ._compiler._cache import cache_reset as cache_reset
 from ._compiler._cache import cache_stats as cache_stats
+from ._compiler._guards import CompileGuardError as CompileGuardError
+from ._compiler._guards import assert_max_compiles as assert_max_compiles
+from ._compiler._guards import no_compiles as no_compiles
 from ._compiler._jit import jit as jit
 from ._compiler._reuse import set_trace_reuse as set_trace_reuse
 from ._compiler._store import cache_dir as cache_dir
@@ -51,6 +54,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CacheStats",
+    "CompileGuardError",
     "Device",
     "GraphConst",
     "GraphConstHashError",
@@ -69,6 +73,7 @@ __all__ = [
     "TrainingInterrupted",
     "Unfingerprintable",
     "assert_graphconst_hashable",
+    "assert_max_compiles",
     "bump_world",
     "cache_dir",
     "cache_reset",
@@ -83,6 +88,7 @@ __all__ = [
     "jit",
     "loggers",
     "metrics",
+    "no_compiles",
     "predict",
     "set_cache_dir",
     "set_compile_ahead",

@@ -149,6 +149,16 @@ STALE_EDITS = {
         'Scaler()(x @ params["w"])',
         "@dataclasses.dataclass\nclass Scaler:\n    s: float = 3.0\n    def __call__(self, z):\n        return z * self.s\n",
         ["__main__.Scaler.s"], {}),
+    # A function in a GraphConst field (as itself, or in a partial), edited by re-running its cell: only
+    # the programs that call it recompile, never the optimizer (issue 46; the key's fields are compared
+    # on what each program's trace read).
+    "graphconst-function-value": ("def act(z):\n    return z * 1.0\n", 'self.act(x @ params["w"])',
+                                  "def act(z):\n    return z * 3.0\n", ["__main__.act"],
+                                  dict(fields="act: GraphConst[Any] = None", make="E(lr=0.0, act=act)")),
+    "graphconst-partial-value": ("def act(z, k):\n    return z * k\n", 'self.act(x @ params["w"])',
+                                 "def act(z, k):\n    return z * k * 3.0\n", ["__main__.act"],
+                                 dict(fields="act: GraphConst[Any] = None",
+                                      make="E(lr=0.0, act=functools.partial(act, k=1.0))")),
     "global-instance-method": (
         "class Act:\n    def __call__(self, z):\n        return z * 1.0\nact = Act()\n", 'act(x @ params["w"])',
         "class Act:\n    def __call__(self, z):\n        return z * 3.0\nact = Act()\n", ["__main__.Act.__call__"], {}),

@@ -242,6 +242,30 @@ def test_module_file_edit_then_reload(ip, capsys, tmp_path):
     np.testing.assert_array_equal(ip.user_ns["old"], ip.user_ns["before"])
 
 
+@pytest.mark.parametrize("how", ["edited twice", "edited then reverted", "deleted", "renamed"])
+def test_each_on_disk_state_of_an_imported_function_is_said_once(ip, capsys, tmp_path, how):
+    # `from mymod import act` re-run after each change: the module is not reloaded, the live code is the
+    # same. Each new version of the file is said once; a file back as it was loaded is no pending edit.
+    path = _write_module(tmp_path, 1.0)
+    run(ip, capsys, BASE.format(defs="from mymod import act", forward='act(x @ params["w"])'))
+    line = "nitro_ipy: edited on disk, not loaded yet: mymod.act."
+    outs = []
+    if how.startswith("edited"):
+        for factor in (3.0, 5.0 if how == "edited twice" else 1.0):
+            _write_module(tmp_path, factor)
+            outs.append(run(ip, capsys, "from mymod import act"))
+    else:
+        if how == "deleted":
+            path.unlink()
+        else:
+            path.rename(tmp_path / "mymod_v2.py")
+        outs.append(run(ip, capsys, "from mymod import act"))
+    outs.append(run(ip, capsys, "n.train()"))
+    said = {"edited twice": [1, 1, 0], "edited then reverted": [1, 0, 0], "deleted": [1, 0], "renamed": [1, 0]}
+    assert [out.count(line) for out in outs] == said[how], outs
+    assert not any(STALE_LINE in out or "poisoned" in out for out in outs), outs
+
+
 def test_autoreload_2_swaps_code_in_place(ip, capsys, tmp_path):
     _write_module(tmp_path, 1.0)
     run(ip, capsys, "%load_ext autoreload\n%autoreload 2")

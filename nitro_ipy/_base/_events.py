@@ -27,6 +27,10 @@ EVENTS = {
     "progress": "(): a training handle reached a periodic sync point (about every 0.25 s, never per step)",
     "run": "(run): a background run (`Run`) started or ended (`run.done` tells which)",
     "temp_written": "(path): a file's temp copy is written and synced, not yet renamed into place (`_writes`)",
+    "ahead": "(entry): a program compiled in the background entered the cache (a miss); its compile line is "
+             "said when a handle takes it (then `compile` follows)",
+    "compiled": "(entry, ahead: bool): this thread put `entry` in the cache: compiled, loaded from the store, or "
+                "taken compiled ahead (`ahead`); signalled once it is in, so a compile guard may raise",
 }
 
 _lock = threading.Lock()

@@ -12,6 +12,7 @@ do), and `settle_mark()` / `settled(mark)` tell whether any may have run between
 
 import contextlib
 import threading
+import time
 
 _world = 0
 _lock = threading.Lock()  # the file watcher bumps from its own thread
@@ -84,6 +85,17 @@ def cell_busy() -> bool:
     """Whether a cell's own statements may be running now (in another thread than this one)."""
     cell, inside = _cell
     return cell is not None and inside == 0 and cell != threading.get_ident()
+
+
+def wait_settled(timeout: float) -> bool:
+    """Wait (at most `timeout` s) until no cell's own statements run in another thread: the cell ended, or
+    waits inside nitro. True when none runs now."""
+    deadline = time.monotonic() + timeout
+    while cell_busy():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def settled(mark) -> bool:

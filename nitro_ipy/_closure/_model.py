@@ -93,6 +93,11 @@ class Closure:
         That is "edited on disk, not loaded yet" (`importlib.reload` or `%autoreload` will pick it up).
         Comment-only and blank-line edits do not count: the file is compiled and compared by code.
         """
+        return list(self.disk_edit_versions(memo))
+
+    def disk_edit_versions(self, memo: dict) -> dict[str, str | None]:
+        """`disk_edits` with the digest of the file version each name was found edited in (None: the file
+        cannot be read: deleted or moved), so an edit on disk is told from a second edit of the same name."""
         plan = self._disk_plan
         if plan is None:
             plan = self._disk_plan = disk_plan(self._files)
@@ -108,9 +113,9 @@ class Closure:
                         continue  # the live code moved: that is drift, not a pending disk edit
                 on_disk = version.codes(dep.qualname)
                 if on_disk is None or dep.fingerprint not in on_disk:
-                    out = out or set()
-                    out.add(dep.qualified)
-        return _collapse(out) if out else []
+                    out = out or {}
+                    out[dep.qualified] = digest
+        return {name: out[name] for name in _collapse(set(out))} if out else {}
 
     @property
     def checks(self) -> tuple:

@@ -262,7 +262,7 @@ class _State:
         self.hits = 0
         self.misses = 0
         self.scanned_world = -1
-        self.disk_reported: set[str] = set()
+        self.disk_reported: dict[str, str | None] = {}  # name -> the file version its edit was said for
         self.generation = generation
         self.compiling: dict[Key, "Claim"] = {}  # keys a thread is compiling now (single flight)
         # The served entries the drift scan poisoned in this generation, numbered: what an edit moved
@@ -353,6 +353,8 @@ def lookup(key: Key) -> Entry | None:
         entry = _serving(key)
         said = _served(entry) if entry is not None else ()
     _say(said)
+    if said:  # taken compiled ahead: for this thread, the compile it would have run (a guard counts it)
+        _events.signal("compiled", entry, True)
     return entry
 
 
@@ -414,6 +416,8 @@ def claim(key: Key, generation: int | None = None) -> tuple[Entry | None, Claim 
                 said = _served(entry)
         if entry is not None:
             _say(said)
+            if said:  # taken compiled ahead (`lookup`)
+                _events.signal("compiled", entry, True)
             return entry, None
         _events.publish("awaiting")
         pending.done.wait()
@@ -441,6 +445,8 @@ def store(entry: Entry, claimed: Claim | None = None) -> None:
             claimed.done.set()
     if not entry.untaken:  # one compiled ahead is said when a handle takes it (`_served`)
         _events.publish("compile", entry)
+    else:  # its miss counted now: the panel shows it as the background's (a line comes when it is taken)
+        _events.publish("ahead", entry)
 
 
 def moved_since(mark: tuple | None) -> tuple[tuple, list]:
@@ -608,7 +614,7 @@ def _scan_entries() -> None:
     memo: dict = {}
     poisoned, names = [], []
     evict = False  # a program was poisoned (said, or an unused one compiled ahead dropped)
-    disk: list[str] = []
+    disk: dict[str, str | None] = {}  # name -> digest of the file version it is edited in
     held = _held_poisoned()
     for entry in [*_state.entries.values(), *_state.orphans.alive()]:
         closure = entry.closure
@@ -621,7 +627,7 @@ def _scan_entries() -> None:
                 poisoned.append(entry)
                 names.extend(n for n in drifted if n not in names)
         else:
-            disk.extend(n for n in closure.disk_edits(memo) if n not in disk)
+            disk.update(closure.disk_edit_versions(memo))
     # An edit reverted (its dependencies fingerprint as at compile time again) makes a poisoned entry
     # current again: revived, it is served instead of compiled anew, and its old handles stop warning.
     # After the poisoning above, so the key it takes back is free when the reverted edit's own program
@@ -629,10 +635,11 @@ def _scan_entries() -> None:
     for entry in held:
         if entry.closure is not None and not entry.closure.drift(memo):
             revive(entry)
-    # Said once per edit: a name stays reported until it stops being a pending disk edit (reloaded).
-    _state.disk_reported &= set(disk)
-    disk = [n for n in disk if n not in _state.disk_reported]
-    _state.disk_reported.update(disk)
+    # Said once per edit: a name stays reported until it stops being a pending disk edit (reloaded), or
+    # its file is saved again with another version of it (a second edit is said too).
+    said = _state.disk_reported
+    _state.disk_reported = dict(disk)
+    disk = [n for n, version in disk.items() if said.get(n, "") != version]
     if evict:
         evict_user_traces()
     if poisoned:

@@ -120,6 +120,7 @@ def compile_program(
     for nbytes, shape, dtype, origin in entry.constants:
         _report.emit(Kind.LARGE_CONSTANT, program=entry.kind, nbytes=nbytes, shape=shape, dtype=dtype,
                      origin=origin)
+    _events.signal("compiled", entry, False)  # a compile guard (`_guards`) may raise here
     return entry
 
 
@@ -320,6 +321,9 @@ def _build(key, fn, args, donate_argnums, info, record, compiler_options, source
 # A trace during which an edit's scan evicted the user's cached inner traces may have cached one of the
 # old code again (it read the old helper before the edit): it is traced again, at most this many times.
 RETRACES = 3
+# How long a background run's trace that a cell crossed waits for the cell's own statements to end before
+# it traces again (`_world.wait_settled`); a cell busy longer than this is crossed again, and counted.
+SETTLE_WAIT_S = 10.0
 
 
 def _trace_and_compile(key, fn, args, donate_argnums, info, record, compiler_options, sources, why, out_shardings,
@@ -337,14 +341,18 @@ def _trace_and_compile(key, fn, args, donate_argnums, info, record, compiler_opt
     for _ in range(RETRACES):
         evictions = _cache.evictions()
         traced, closure, reads, settled = _trace(jitted, fn, args, record)
-        if not settled and speculative:
-            # A cell's statements may have run while it traced: its closure may name code it did not run.
-            # Nothing of it is kept (its inner traces neither). While the cell waits inside nitro (a
-            # rebuilt handle's `train()` waiting for this very program) it is traced again; while the
-            # cell runs statements of its own, the program compiles when it is needed.
+        if not settled:
+            # A cell's statements may have run while it traced (in a background thread: compile ahead, a
+            # background run): its closure may name values it did not bake in. Nothing of it is kept (its
+            # inner traces neither). While the cell waits inside nitro (a rebuilt handle's `train()`
+            # waiting for this very program) it is traced again. While the cell runs statements of its
+            # own, a compile ahead gives up (the program compiles when it is needed); a background run,
+            # which needs it now, traces again once the cell is done with them (`_world.wait_settled`).
             _cache.evict_user_traces()
             if _world.cell_busy():
-                raise Unsettled()
+                if speculative:
+                    raise Unsettled()
+                _world.wait_settled(SETTLE_WAIT_S)
             jitted = jax_jit(_fresh(fn), donate_argnums=donate_argnums, **placed)
             continue
         if _cache.evictions() == evictions:
@@ -359,6 +367,10 @@ def _trace_and_compile(key, fn, args, donate_argnums, info, record, compiler_opt
     else:
         if speculative and not settled:
             raise Unsettled()
+        if not settled and closure is not None:
+            # A background run's program crossed a cell at every trace: it runs it, told so (stale at
+            # birth, `_cache.store`), and no other handle is ever served it.
+            closure.superseded = tuple(closure.names())
     if speculative and _context.current() != key.context:  # the global configuration moved meanwhile
         raise Unsettled()
     with gc_paused():

@@ -403,6 +403,7 @@ class _State:
                 _cache.store(entry)
                 if entry.why:
                     _report.emit(Kind.COMPILE, entry=entry)
+                _events.signal("compiled", entry, False)  # a compile guard (`_guards`) may raise here
         if entry is None or entry.poisoned or entry.call is None:
             return None
         self.gen.entries.append(entry)
@@ -438,14 +439,18 @@ class _State:
         if jax.config.jax_disable_jit:
             return out  # `jax.disable_jit()`: the function ran eagerly, nothing was compiled
         elapsed = time.perf_counter() - t0
+        entries = len(gen.entries)
         try:
-            return self._register(gen, trace_s, elapsed, recorder, args, kwargs, out)
+            self._register(gen, trace_s, elapsed, recorder, args, kwargs, out)
         except Exception:  # noqa: BLE001 - the call itself succeeded: its result is the user's
             # Unrecorded, so no edit could be seen: the generation is replaced at the next world bump.
             gen.closures = [*gen.closures, None][-NESTED_CLOSURES:]
             return out
         finally:
             self.traced = None
+        if len(gen.entries) > entries:  # a program entered the cache: a compile guard may raise here
+            _events.signal("compiled", gen.entries[-1], False)
+        return out
 
     def _register(self, gen, trace_s, elapsed, recorder, args, kwargs, out):
         nested = not _top_level() if _top_level is not None else any(

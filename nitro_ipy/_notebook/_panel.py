@@ -42,6 +42,11 @@ def _run_what(run) -> str:
     return what + (f" ({epochs} epoch{'s' if epochs != 1 else ''})" if isinstance(epochs, int) else "")
 
 
+# What the panel adds to the latest compile while it is a program compiled in the background that no
+# handle took yet: its miss is counted, its compile line is said by the handle that takes it.
+AHEAD_NOTE = "compiled in the background, not taken yet"
+
+
 class Panel:
     """The live panel: hits, misses, entries and poisoned as chips that wrap, a warning chip when
     something is stale, the loss chart, the latest compile with its reason in a `<details>`, and a
@@ -59,6 +64,7 @@ class Panel:
         self.min_interval = min_interval
         live = _cache.live_entries()
         self.latest_entry = live[-1] if live else None  # entries are kept in compile order
+        self.latest_ahead = bool(getattr(self.latest_entry, "untaken", False))  # compiled ahead, not taken yet
         self.loop = None  # the last recompile-loop message: a warning chip until the next reset
         self._run = None  # weakly, the background run the Stop button stops (`run`)
         self.stop_button: ActionButton | None = None
@@ -75,6 +81,7 @@ class Panel:
         """Subscribe to the cache's events (idempotent)."""
         if not self._unsubscribe:
             self._unsubscribe = [_events.subscribe("compile", self.on_compile),
+                                 _events.subscribe("ahead", self.on_ahead),
                                  _events.subscribe("reset", self.on_reset),
                                  _events.subscribe("progress", self.on_progress),
                                  _events.subscribe("run", self.on_run)]
@@ -102,7 +109,13 @@ class Panel:
 
     # -- subscribers and the sink's notice (each must never raise into the step loop or the cache)
     def on_compile(self, entry) -> None:
-        self.latest_entry = entry
+        self.latest_entry, self.latest_ahead = entry, False
+        self._safely(self.refresh)
+
+    def on_ahead(self, entry) -> None:
+        """A program compiled in the background: its miss is counted now, its line comes when a handle
+        takes it; until then the panel shows it as the latest compile, marked as the background's."""
+        self.latest_entry, self.latest_ahead = entry, True
         self._safely(self.refresh)
 
     def on_reset(self) -> None:
@@ -200,6 +213,8 @@ class Panel:
         else:
             why = f" ({_html.summarise_why(e.why)})" if e.why else ""
             latest = f"{e.kind} [{', '.join(e.hook_names)}] in {e.trace_s + e.compile_s:.2f} s{why}"
+            if self.latest_ahead:
+                latest += ", " + AHEAD_NOTE
         return {"hits": str(hits), "misses": str(misses), "entries": str(entries),
                 "poisoned": str(len(_cache.poisoned_entries())), "latest compile": latest}
 
@@ -250,6 +265,8 @@ class Panel:
             latest_html = _html.box(f"latest compile: {_html.esc(f['latest compile'])}", "plain", "nitro-latest")
         else:
             head = f"latest compile: {e.kind} [{', '.join(e.hook_names)}] in {e.trace_s + e.compile_s:.2f} s"
+            if self.latest_ahead:
+                head += ", " + AHEAD_NOTE
             why = _html.why_html(e.why) if e.why else "first compile of this program"
             latest_html = _html.box(
                 f"<details><summary>{_html.code_html(head)}</summary>"

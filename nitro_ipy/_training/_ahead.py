@@ -416,7 +416,9 @@ def prefetch_eval(handle) -> bool:
     inputs = b.routes["forward"].pick(split)
     targets = b.routes["loss"].pick(split) if b.loss is not None else ()
     key, args = eval_key(handle, split, inputs, targets)
-    if key in _failed or _cache.known(key):
+    # A handle that holds its evaluation program already (it validated before a `cache_reset()`) runs
+    # that one: compiling it again would put an entry in the cache that nothing asked for, nor said.
+    if key in _failed or key in handle._programs or _cache.known(key):
         return False
     fn = EVAL.build(b, handle._state.model, handle.accum, None, inputs=inputs, targets=targets)
     device_metrics = [name for name, (_, residency) in b.metrics.items() if residency == "device"]

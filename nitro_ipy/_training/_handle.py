@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from .. import _closure
-from .._base import _html, _report
+from .._base import _html, _report, _world
 from .._base._errors import NitroValueError
 from .._base._live import live_value
 from .._base._report import Kind
@@ -539,14 +539,16 @@ class Nitro:
     def validate(self) -> dict:
         """Evaluate on the `valid` split: `{"loss": ..., <metric>: ...}`."""
         self._enter("validate")
-        return self._evaluate("valid")
+        with _world.inside_nitro():  # a compile ahead it waits for traces beside no statement of the cell
+            return self._evaluate("valid")
 
     @user_traceback
     @in_mesh()
     def evaluate(self, split: str = "test") -> dict:
         """Evaluate on `split`: the exact, example-weighted loss and every metric, over every example."""
         self._enter("evaluate")
-        return self._evaluate(split)
+        with _world.inside_nitro():
+            return self._evaluate(split)
 
     def _evaluate(self, split_name: str) -> dict:
         b = self._binding
@@ -603,6 +605,10 @@ class Nitro:
     def predict(self, inputs: dict):
         """Run `forward` over `inputs` (a dict of arrays) in batches; returns the outputs as numpy."""
         self._enter("predict")
+        with _world.inside_nitro():  # as `validate`
+            return self._predict(inputs)
+
+    def _predict(self, inputs: dict):
         split = check_splits({"inputs": inputs})["inputs"]
         route = self._binding.routes["forward"]
         names = route.pick(split)

@@ -35,7 +35,7 @@ import weakref
 import jax
 import numpy as np
 
-from .._base import _events, _report
+from .._base import _events, _report, _world
 from .._base._errors import HandleBusyError, NitroTypeError, NitroValueError
 from .._experiment._checks import device_value
 from .._experiment._fields import field_kinds, short_repr
@@ -205,7 +205,8 @@ class Run:
         if threading.current_thread() is self._thread:
             raise RuntimeError("`run.wait()` from the run's own thread would wait forever.")
         try:
-            finished = self._done.wait(timeout)
+            with _world.inside_nitro():  # the cell runs none of its statements: the run's traces are settled
+                finished = self._done.wait(timeout)
         except KeyboardInterrupt:
             self.stop("interrupted (Ctrl-C in `run.wait()`)")
             self._done.wait()
