@@ -204,7 +204,7 @@ def test_a_module_file_reloaded_and_autoreloaded(ip, capsys, tmp_path, lib):
     assert [compile_line("f").match(line).group(1) for line in nitro_lines(out)] == [
         "recompiling against edited code: adoptmod.act (adoptmod.py:1; f → body → act)"], out
     np.testing.assert_allclose(ip.user_ns["after"], 3.0 * np.asarray(ip.user_ns["before"]), rtol=1e-6)
-    run(ip, capsys, "%load_ext autoreload\n%autoreload 2")
+    run(ip, capsys, "%reload_ext autoreload\n%autoreload 2")
     try:
         _write_module(tmp_path, 5.0)
         out = run(ip, capsys, "later = f(X)")

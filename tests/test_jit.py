@@ -160,7 +160,7 @@ def test_module_file_reloaded(ip, capsys, tmp_path):
 
 def test_autoreload_2(ip, capsys, tmp_path):
     _write_module(tmp_path, 1.0)
-    run(ip, capsys, "%load_ext autoreload\n%autoreload 2")
+    run(ip, capsys, "%reload_ext autoreload\n%autoreload 2")
     try:
         run(ip, capsys, HEAD + "from jitmod import act\n@nitro_ipy.jit\ndef f(x):\n    return act(x)\n")
         run(ip, capsys, "before = f(X)")

@@ -268,7 +268,7 @@ def test_each_on_disk_state_of_an_imported_function_is_said_once(ip, capsys, tmp
 
 def test_autoreload_2_swaps_code_in_place(ip, capsys, tmp_path):
     _write_module(tmp_path, 1.0)
-    run(ip, capsys, "%load_ext autoreload\n%autoreload 2")
+    run(ip, capsys, "%reload_ext autoreload\n%autoreload 2")
     try:
         # `from mymod import act` binds the function object itself; autoreload updates it in place.
         run(ip, capsys, BASE.format(defs="from mymod import act\nact_before = act", forward='act(x @ params["w"])'))
