@@ -205,8 +205,8 @@ def train_epoch(s: StepState, resolve, split: dict, fields, steps: int, gate: In
     start, total, n_loss = s.cursor = s.cursor if fresh else EPOCH_START
     if start == steps:  # every step was taken, the epoch not counted yet (Ctrl-C after its last step)
         return mean_loss(total, n_loss), 0  # the caller counts it and resets the cursor
-    batches = place.batches(train_batches(split, fields, s.batch_size, s.accum, (s.seed, s.epoch), start),
-                            s.accum > 1)
+    drawn = train_batches(split, fields, s.batch_size, s.accum, (s.seed, s.epoch), start)
+    batches = place.batches(drawn, s.accum > 1)
     step0 = s.step
     # The guard is a tiny int32 vector (replicated on a mesh, like every scalar the programs take); it
     # also carries the step counter the gradient program derives each step's rng from.
@@ -317,6 +317,10 @@ def train_epoch(s: StepState, resolve, split: dict, fields, steps: int, gate: In
             close_epoch(s, start, step0, total, n_loss, settled and seen, reused, grad, opt, pairs)
         finally:
             gate.defer = False
+            # The batch stream ends here, not when the frame is collected: an interrupt's traceback
+            # (kept by a stopped background run) holds this frame, and the stream's end is what tells
+            # compile ahead that the step loop stopped (`_pipeline._stepping`).
+            drawn.close()
     # Every step taken: the cursor stays at the epoch's end until the caller counts the epoch, so a
     # Ctrl-C landing in between leaves an epoch the next call counts, never one it replays.
     return mean_loss(total + seen[0], n_loss + seen[1]), _guard.bad_steps(guard)
@@ -456,9 +460,13 @@ def nonfinite_error(s: StepState, resolve, guard, step0: int, split: dict, field
 
     def batch_at(index):  # `index` counts from the step the epoch (or what is left of it) began at
         start = s.cursor.taken
-        for i, batch in enumerate(train_batches(split, fields, s.batch_size, s.accum, (s.seed, s.epoch), start)):
-            if i == index:
-                return batch
+        drawn = train_batches(split, fields, s.batch_size, s.accum, (s.seed, s.epoch), start)
+        try:
+            for i, batch in enumerate(drawn):
+                if i == index:
+                    return batch
+        finally:
+            drawn.close()  # its end, not the collector, tells compile ahead no step loop runs
 
     def dev_at(step):
         dev = dict(s.dev)
