@@ -70,6 +70,28 @@ def test_the_key_holds_every_entry_of_jax_trace_context_and_each_setting_moves_i
             assert _context.current().debug and not _context.current().storable
 
 
+def test_a_setting_a_later_import_registers_leaves_the_key_until_it_is_turned_on():
+    """Importing Flax registers two Pallas settings in JAX's trace context (JAX 0.12): a process that
+    imported it and one that did not, under the same configuration, make the same key (and the same
+    store file name); its entries are still named, and turning the new setting on moves the key. Before,
+    the names fell back to positions once the context grew (`trace_context[32]: False -> True`), and the
+    keys of the two processes differed."""
+    from jax._src import config
+
+    before = _context.current()
+    probe = config.bool_state(name=f"jax_nitro_ipy_probe_{len(config.trace_context())}", default=False,
+                              help="a setting registered after nitro_ipy was imported (tests)",
+                              include_in_trace_context=True)
+    after = _context.current()
+    assert [n for n, _ in after.pairs][-3:] == [probe.name, "jax_debug_nans", "jax_debug_infs"]
+    assert after == before and repr(after) == repr(before)
+    with jax.enable_x64(True):
+        assert _context.diff(after, _context.current()) == ["config `jax_enable_x64`: False -> True"]
+    with probe(True):
+        on = _context.current()
+    assert on != after and _context.diff(after, on) == [f"config `{probe.name}`: False -> True"]
+
+
 # ---------------------------------------------------------------- nitro_ipy.jit against jax.jit
 def test_jit_x64_around_a_recreated_function_computes_what_jax_jit_does(lines):
     assert nitro_ipy.jit(make_scale())(X).dtype == jnp.float32

@@ -446,15 +446,19 @@ def _trace_context_api() -> tuple:
         return (lambda: ()), ()
     context = getattr(config, "trace_context", None)
     if context is None:  # pragma: no cover
-        return (lambda: ()), ()
-    try:
-        names = tuple(config.trace_context_names())
-    except Exception:  # pragma: no cover - jaxlib before `trace_context_names`
-        names = None
+        return (lambda: ()), (lambda: ())
+    named = getattr(config, "trace_context_names", None)
+
+    def names():  # asked again whenever the context grew: an import (Flax's Pallas) registers settings
+        try:
+            return tuple(named())
+        except Exception:  # pragma: no cover - jaxlib before `trace_context_names`
+            return None
+
     return context, names
 
 
-trace_context, TRACE_CONTEXT_NAMES = _trace_context_api()
+trace_context, trace_context_names = _trace_context_api()
 
 
 def _debug_states() -> tuple:

@@ -22,21 +22,31 @@ decides), about 1 us. A new configuration is rendered once and memoized.
 import enum
 
 from .._base import _memo
-from .._base._compat import DEBUG_INFS, DEBUG_NANS, TRACE_CONTEXT_NAMES, trace_context
+from .._base._compat import DEBUG_INFS, DEBUG_NANS, trace_context, trace_context_names
 
 DEBUG_NAMES = ("jax_debug_nans", "jax_debug_infs")
+
+
+# Values a setting holds when it is off: such an entry is left out of the key's text. A library imported
+# later can register settings of its own (importing Flax registers two of Pallas's, at their defaults), so
+# two processes under the same configuration hold contexts of different lengths: left out when off, their
+# keys (and the store's file names) stay equal. An entry that is off and one never registered both mean
+# the feature is not in use, for a trace alike; a setting turned on (or off from a default that is on)
+# still moves the key.
+_OFF = ("None", "False", "0", "()", "''")
 
 
 class Context:
     """A configuration as a key component: `pairs` is `((setting, repr of its value), ...)`, every entry
     of JAX's trace context in JAX's order, then the two debug settings. Equal when the texts are equal:
-    two processes under the same configuration (and JAX version) make equal contexts, and equal reprs."""
+    the texts name every entry that is not off (`_OFF`), so two processes under the same configuration
+    (and JAX version) make equal contexts, and equal reprs, whatever else each imported."""
 
     __slots__ = ("pairs", "text", "storable", "debug", "_hash")
 
     def __init__(self, pairs: tuple, storable: bool):
         self.pairs = pairs
-        self.text = "{" + ", ".join(f"{name}: {value}" for name, value in pairs) + "}"
+        self.text = "{" + ", ".join(f"{name}: {value}" for name, value in sorted(pairs) if value not in _OFF) + "}"
         self.storable = storable  # every value has a text that means the same in another process
         values = dict(pairs)
         self.debug = any(values.get(n) == "True" for n in DEBUG_NAMES)
@@ -89,9 +99,14 @@ def names() -> tuple:
     """The settings a key carries, in order: JAX's trace context entries (by position where this jaxlib
     does not name them), then `DEBUG_NAMES`."""
     n = len(trace_context())
-    base = TRACE_CONTEXT_NAMES if TRACE_CONTEXT_NAMES is not None and len(TRACE_CONTEXT_NAMES) == n else tuple(
-        f"trace_context[{i}]" for i in range(n))
-    return base + DEBUG_NAMES
+    if _names[0] != n:
+        known = trace_context_names()
+        _names[:] = [n, known if known is not None and len(known) == n else tuple(
+            f"trace_context[{i}]" for i in range(n))]
+    return _names[1] + DEBUG_NAMES
+
+
+_names: list = [None, ()]  # [length of JAX's trace context, its entries' names]
 
 
 def _render(raw: tuple, nans, infs) -> Context:
@@ -144,6 +159,7 @@ def diff(old: Context, new: Context) -> list[str]:
     """`config `jax_enable_x64`: False -> True` for each setting that differs, in the key's order."""
     if old == new:
         return []
-    a = dict(getattr(old, "pairs", ()))
-    return [f"config `{name}`: {a.get(name, '(absent)')} -> {value}" for name, value in new.pairs
-            if a.get(name) != value]
+    a, b = dict(getattr(old, "pairs", ())), dict(new.pairs)
+    # A setting one side has not registered is off there (`_OFF`): said only where it is on on the other.
+    return [f"config `{name}`: {a.get(name, 'None')} -> {b.get(name, 'None')}" for name in [*a, *(n for n in b if n not in a)]
+            if a.get(name, "None") != b.get(name, "None") and not (a.get(name, "None") in _OFF and b.get(name, "None") in _OFF)]
