@@ -121,7 +121,8 @@ def test_data_parallel_matches_one_device_with_the_same_counts(tmp_path):
     n, many = run(mesh=mesh)  # the same experiment on 4 devices: every key moves (shardings), 5 new programs
     grad = next(e for e in n._programs.values() if e.kind == "grad")
     batch_specs = [s.spec for s in jax.tree.leaves(grad.call.input_shardings[0][3])]  # (params, state, dev, batch, rng)
-    # Inside `jax.set_mesh`, a handle given no mesh runs on the ambient one: the same keys, no compile.
+    # Inside `jax.set_mesh`, a handle given no mesh runs on the ambient one. The ambient mesh is in JAX's
+    # trace context (what `jax.jit` keys on too), so its programs compile once each, as `jax.jit` traces.
     before = nitro_ipy.cache_stats()
     with jax.set_mesh(mesh):
         ambient = Nitro(exp.Regression(), data=exp.data(), batch_size=32, progress=False)
@@ -165,7 +166,7 @@ def test_data_parallel_matches_one_device_with_the_same_counts(tmp_path):
     assert out["opt_specs"] == [str(P())]
     assert out["batch_specs"] == [str(P("data")), str(P("data"))]
     assert out["all_reduce"]  # XLA reduces the gradients inside the gradient program
-    assert out["ambient_mesh"] and out["ambient_misses"] == 0
+    assert out["ambient_mesh"] and out["ambient_misses"] == 5
 
 
 def test_param_sharding_rule_shards_params_and_their_optimizer_state(tmp_path):
@@ -251,12 +252,23 @@ def test_a_mesh_handle_s_programs_compile_ahead(tmp_path, layout):
     # grad, opt; eval and the metric's two programs in the background (or, where validation got to one
     # first, found there): no key validation would not ask for
     assert out["first"]["stats"] == [5, 5]
-    assert sorted(kind for kind, _ in out["first"]["history"]) == ["eval", "metric:mae", "metric:mae"]
-    assert {status for _, status in out["first"]["history"]} <= {"compiled", "had"}
-    assert out["edit"] == {"history": [["grad", "compiled"], ["eval", "compiled"]], "stats": [7, 5]}
-    assert out["after"] == [7, 5]  # the rebuilt handle compiled nothing
-    assert [line.split()[2] for line in out["compiled"]] == ["grad", "eval"]
-    assert all("compiled ahead after your edit" in line for line in out["compiled"])
+    if layout == "ambient":
+        # The mesh `jax.set_mesh` made current is in JAX's trace context, which a key carries, and the
+        # compile-ahead thread does not trace under the cell's context: the evaluation prefetch is
+        # cancelled and validation compiles it and the metrics on demand (counts exact, said once).
+        assert out["first"]["history"] == [["eval", "cancelled"]], out["first"]
+    else:
+        assert sorted(kind for kind, _ in out["first"]["history"]) == ["eval", "metric:mae", "metric:mae"]
+        assert {status for _, status in out["first"]["history"]} <= {"compiled", "had"}
+    if layout == "ambient":  # (as above) nothing compiles ahead: the rebuilt handle compiles grad and eval
+        assert out["edit"] == {"history": [], "stats": [5, 3]}
+        assert out["after"] == [7, 5]
+        assert [line.split()[2] for line in out["compiled"]] == ["grad", "eval"]
+    else:
+        assert out["edit"] == {"history": [["grad", "compiled"], ["eval", "compiled"]], "stats": [7, 5]}
+        assert out["after"] == [7, 5]  # the rebuilt handle compiled nothing
+        assert [line.split()[2] for line in out["compiled"]] == ["grad", "eval"]
+        assert all("compiled ahead after your edit" in line for line in out["compiled"])
     assert out["w1"] == (str(P(None, "data")) if layout == "sharded" else str(P())) and out["devices"] == 4
     assert np.isfinite(out["loss"]) and not out["stale"]
 
