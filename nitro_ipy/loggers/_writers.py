@@ -9,6 +9,7 @@ writer without TensorFlow or PyTorch (`torch.utils.tensorboard`), and is needed 
 """
 
 import importlib
+import itertools
 import os
 import threading
 
@@ -71,6 +72,9 @@ class _Writer:
         pass
 
 
+_files = itertools.count()  # this process's event files, for their names
+
+
 class TensorBoard(_Writer):
     """Writes TensorBoard event files under `logdir` (a run's directory: `tensorboard --logdir runs`).
 
@@ -91,7 +95,9 @@ class TensorBoard(_Writer):
         from tensorboardX.event_file_writer import EventsWriter
 
         os.makedirs(self.logdir, exist_ok=True)
-        self.writer = EventsWriter(os.path.join(self.logdir, "events"))
+        # tensorboardX names a file by the second and the host alone: a second writer on the same run
+        # within that second (a resume, a rebuild) would write over the first one's file.
+        self.writer = EventsWriter(os.path.join(self.logdir, "events"), f".{os.getpid()}.{next(_files)}")
 
     def _write(self, event, summary):
         from tensorboardX.proto.event_pb2 import Event
