@@ -182,11 +182,28 @@ def open_notebook(page, lab: Lab, timeout: float = 60_000, name: str = "quicksta
     page.wait_for_function(
         "() => { const s = document.querySelector('.jp-Notebook-ExecutionIndicator');"
         " return s && s.getAttribute('data-status') === 'idle'; }", timeout=timeout)
+    # The kernel connected and idle, not only the indicator: JupyterLab may still be starting it (and ask
+    # "Select Kernel" when it is slow to answer), and a cell run before then is never sent.
+    for _ in range(int(timeout / 1000)):
+        _accept_kernel_dialog(page)
+        if page.evaluate("() => { const k = window.jupyterapp?.shell?.currentWidget?.sessionContext?.session?.kernel;"
+                         " return !!k && k.connectionStatus === 'connected' && k.status === 'idle'; }"):
+            break
+        page.wait_for_timeout(1000)
     # The file browser takes a third of an 800 px window: collapse the left sidebar, as a user would.
     if page.evaluate("() => (document.querySelector('#jp-left-stack')?.offsetWidth || 0) > 0"):
         page.locator(".jp-Notebook").first.click(position={"x": 2, "y": 2})
         page.keyboard.press("Escape")
         page.keyboard.press("Control+b")
+
+
+def _accept_kernel_dialog(page):
+    """JupyterLab asks "Select Kernel" when the kernel it started for the notebook is slow to answer (a
+    loaded machine): a person clicks Select, which keeps the notebook's own kernel."""
+    dialog = page.locator(".jp-Dialog:has-text('Select Kernel') .jp-mod-accept")
+    if dialog.count():
+        dialog.first.click()
+        page.wait_for_selector(".jp-Dialog", state="detached", timeout=30_000)
 
 
 def _idle(page, timeout: float = 120_000):
@@ -200,6 +217,7 @@ def _run_active(page):
     """Shift+Enter on the active cell, then wait until it shows a new execution count and the kernel is
     idle: the status indicator alone can still read "idle" for a moment after Shift+Enter on a loaded
     machine, and the next step would then look too soon."""
+    _accept_kernel_dialog(page)
     ran = page.locator(".jp-Notebook .jp-Cell.jp-mod-active").element_handle()
     prompt = ran.evaluate("c => c.querySelector('.jp-InputPrompt')?.textContent || ''")
     page.keyboard.press("Shift+Enter")
