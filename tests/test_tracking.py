@@ -96,6 +96,71 @@ def test_a_raising_logger_is_detached_with_one_line_and_training_goes_on(message
                     "train() call, which goes on."]
 
 
+def test_loggers_that_fall_behind_lose_step_events_counted_never_the_epochs(messages, monkeypatch):
+    # The logger thread is held in the first event until the loop has offered all 40 step events: the
+    # queue takes `QUEUE` of them, the loop drops the rest and says how many, once, at the call's end.
+    from nitro_ipy.loggers import _tracker
+
+    monkeypatch.setattr(_tracker, "QUEUE", 8)
+    n = _handle(batch_size=8, data={"train": data(320)})
+
+    def held(event):
+        if event.kind == "start":
+            session = n._tracking.session
+            while session.steps_queued + session.dropped < 40:
+                time.sleep(0.001)
+
+    log = Catch(log_every=1)
+    n.train(1, loggers=[held, log])
+    assert n.step == 40 and [s for s, _ in log.at("step", "step/loss")] == list(range(1, 9))
+    assert log.at("epoch", "train/loss") == [(40, n.history[0]["loss"])]
+    assert [m.text for m in messages if m.kind == _report.Kind.LOGGER] == [
+        "nitro_ipy.loggers: 32 step events were dropped: the loggers fell behind the steps (8 were waiting). "
+        "Fix: a larger `log_every`."]
+
+
+def test_while_the_call_runs_the_logger_thread_works_in_slices_and_writes_the_rest_when_it_ends(monkeypatch):
+    # A slice is one event here, and the rest after it lasts until the call ends: every event but the
+    # first is delivered after the loop finished, in order, and the call returns once all are delivered.
+    from nitro_ipy.loggers import _tracker
+
+    monkeypatch.setattr(_tracker, "SLICE", 0.0)
+    monkeypatch.setattr(_tracker, "DUTY", 1e-9)
+    monkeypatch.setattr(_tracker, "REST_MAX", 600.0)
+    n = _handle(batch_size=8, data={"train": TRAIN})
+    seen, session = [], []
+
+    def when(event):
+        session[:] = session or [n._tracking.session]  # the call's session (the handle lets go of it at the end)
+        seen.append((event.kind, event.step, session[0].closing))
+
+    when.log_every = 1
+
+    n.train(2, loggers=[when])
+    assert seen[0] == ("start", 0, False) and all(closing for _, _, closing in seen[1:])
+    steps = [step for kind, step, _ in seen if kind == "step"]
+    assert steps == list(range(1, 17)) and [k for k, _, _ in seen][-1] == "epoch" and len(seen) > 19
+
+
+def test_the_logger_threads_share_of_the_time_follows_how_idle_the_training_thread_was_while_it_rested():
+    from nitro_ipy.loggers import _tracker
+    from nitro_ipy.loggers._tracker import DUTY, SHARE_MAX, Session
+
+    session = Session([Catch()], [], 0, None, None)  # never started: its rule alone
+    session.cpus = 2
+    rest = (10.0, 5.0, 20.0)  # (wall, the training thread's CPU, the process's CPU) when a rest began
+    after = lambda wall, trainer, process: session._share(rest, (10.0 + wall, 5.0 + trainer, 20.0 + process))
+    assert after(0.1, 0.095, 0.1) == DUTY  # a dispatch-bound loop: busy 95% of the rest
+    assert after(0.1, 0.06, 0.12) == DUTY  # busy 60%: the loop still needs the interpreter most of the time
+    assert after(0.1, 0.02, 0.05) == pytest.approx(0.4)  # waiting for an accelerator: half its idle time
+    assert after(0.1, 0.0, 0.0) == SHARE_MAX
+    assert after(0.1, 0.02, 0.198) == DUTY  # idle, but the process keeps both CPUs busy (XLA's own threads)
+    assert after(0.1, 0.02, 0.15) == pytest.approx(0.25)  # half a CPU left: a quarter of the time
+    assert after(_tracker.REST_MIN / 4, 0.0, 0.0) == DUTY  # woken early (the call ended): nothing measured
+    session.trainer = None  # no thread CPU clock on this system
+    assert after(0.1, 0.0, 0.0) == DUTY
+
+
 def test_a_background_run_logs_as_the_foreground_does_and_a_stop_is_logged():
     fg, bg = Catch(log_every=2), Catch(log_every=2)
     _handle().train(loggers=[fg])

@@ -1,11 +1,19 @@
 """A handle's loggers, and the thread that feeds them while a `train()` call runs.
 
 The step path pays an int comparison a step, and at a logged step (`log_every=k`) an asynchronous device
--> host copy of one value (`copy_to_host_async`, on an accelerator) and an append to a bounded deque: no host callback in
-the compiled step, no blocking transfer, no lock. The logger thread wakes a few times a second, turns
-the values into floats (the copies have landed by then) and calls the loggers. When they cannot keep up,
-step events past `QUEUE` are dropped and counted (said once, at the call's end); epoch, validation and
-text events are never dropped. A logger that raises is detached for the rest of the call and said once.
+-> host copy of one value (`copy_to_host_async`, on an accelerator) and an append to a bounded deque: no
+host callback in the compiled step, no blocking transfer, no lock. The logger thread turns the values into
+floats (the copies have landed by then) and calls the loggers.
+
+Python runs one thread at a time, so whatever the loggers do while the step loop runs is taken from the
+loop whenever the loop is the bottleneck (a small model's dispatch): a writer's 15-100 us per event beside
+a 50 us step would double it. So while a `train()` call runs, the logger thread works in slices of at most
+`SLICE` seconds and rests `1 / DUTY - 1` times as long after each: it holds the interpreter for at most
+`DUTY` of the time, and what it has not written waits in the queue. When the call ends it writes the rest
+at full speed, and the call returns once everything is written and each logger flushed. When the
+loggers cannot keep up (more than `QUEUE` step events waiting), new step events are dropped and counted
+(said once, at the call's end); epoch, validation and text events are never dropped. A logger that raises
+is detached for the rest of the call and said once.
 
 What a step event's loss is: the loss of that step (the gradient program's output, not donated); with
 `steps_per_execution=K`, the mean of the finite losses since the epoch's last logged point, read from a
@@ -15,18 +23,26 @@ K-step call hands back no per-step loss.
 
 import collections
 import math
+import os
 import threading
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._base import _report
 from .._base._errors import NitroTypeError, NitroValueError
 from ._event import Event, hparams, row_events, scalar
 
-QUEUE = 65536  # step events waiting for the logger thread before new ones are dropped
-POLL = 0.1  # seconds the logger thread sleeps between drains: it takes the GIL a few times a second
+QUEUE = 16384  # step events waiting for the logger thread before new ones are dropped (a second or two to write)
+POLL = 0.1  # seconds the logger thread waits for events when none are queued
+SLICE = 0.002  # seconds of logger work at a time while a train() call runs
+DUTY = 0.02  # the share of the time the logger thread works while the training thread is busy
+IDLE = 0.5  # the training thread is idle (waiting for an accelerator) this share of the time or more: then
+SHARE_MAX = 0.5  # the logger thread works half the idle time of the training thread and of the CPUs, at most this
+REST_MIN = 0.005  # the shortest rest: how busy the training thread was is measured over it
+REST_MAX = 0.5  # the longest rest after one slow event (a tracker's first event opens its run: seconds)
 NEVER = 1 << 62  # the next step to log at when no logger logs steps
 
 BAD_LOGGER = (
@@ -93,9 +109,10 @@ class Tracker:
         if not loggers:
             return None
         start = Event("start", int(step), int(epoch), {}, hparams(experiment), time.time())
-        self.session = Session(loggers, [start, *self.pending], step, guard_read, schedules)
+        self.session = session = Session(loggers, [start, *self.pending], step, guard_read, schedules)
         self.pending = []
-        return self.session
+        session.thread.start()
+        return session
 
     def end(self, session, err: BaseException | None, step: int, epoch: int):
         """The call ended (`err`: how, when it did not finish): a stop event, then every event is delivered
@@ -129,18 +146,24 @@ class Session:
         self.guard_read = guard_read  # host guard -> (origin, loss sum, count) (`_training/_guard.py`)
         self.schedules = schedules  # `binding.apply_schedules`, or None
         self.queue = collections.deque(first)
-        self.steps_waiting = 0
-        self.dropped = 0
+        # Step events queued (the loop's count) and taken (the logger thread's): each written by one thread.
+        self.steps_queued = self.steps_taken = 0
+        self.dropped = 0  # step events the loop did not queue (the queue was full)
+        self.unreadable = 0  # step events whose value could not be read (a deleted buffer)
         self.said: list = []  # (logger name, error) the loop has not said yet
         self.last_step = (step, time.perf_counter())  # for steps/s between logged steps
         self.block = (None, 0.0, 0)  # the guard origin and the loss sum, count at the last logged K block
         # On an accelerator the value's copy to the host starts at once, so the logger thread finds it there;
         # on the CPU the buffer is host memory already, and the call costs 5-6 us of the loop's CPU a step.
         self.copy = jax.default_backend() != "cpu"
+        try:  # the training thread's CPU clock: how busy it is while the logger thread rests
+            self.trainer = time.pthread_getcpuclockid(threading.get_ident())
+        except (AttributeError, OSError):  # not a POSIX system: the logger thread keeps to `DUTY`
+            self.trainer = None
+        self.cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         self.closing = False
         self.wake = threading.Event()
-        self.thread = threading.Thread(target=self._serve, name="nitro_ipy-loggers", daemon=True)
-        self.thread.start()
+        self.thread = threading.Thread(target=self._serve, name="nitro_ipy-loggers", daemon=True)  # `begin` starts it
 
     # ------------------------------------------------------------ the step loop's side
     def next_at(self, step: int) -> int:
@@ -154,8 +177,8 @@ class Session:
         value = loss if s.per_execution == 1 else jnp.copy(s.guard)  # the guard is donated to the next call
         if self.copy:
             value.copy_to_host_async()
-        if self.steps_waiting < QUEUE:
-            self.steps_waiting += 1
+        if self.steps_queued - self.steps_taken < QUEUE:
+            self.steps_queued += 1
             self.queue.append((s.step, s.epoch, value, time.perf_counter(), time.time()))
         else:
             self.dropped += 1
@@ -194,35 +217,79 @@ class Session:
             _report.emit(_report.Kind.LOGGER, text=(
                 f"nitro_ipy.loggers: {self.dropped} step events were dropped: the loggers fell behind the "
                 f"steps ({QUEUE} were waiting). Fix: a larger `log_every`."))
+        if self.unreadable:
+            _report.emit(_report.Kind.LOGGER, text=(
+                f"nitro_ipy.loggers: {self.unreadable} step events were lost: their values could not be read "
+                f"from the device (the arrays were deleted before the logger thread reached them)."))
 
     # ------------------------------------------------------------ the logger thread's side
     def _serve(self):
+        rested = self._clocks()
         while True:
             closing = self.closing
-            while self.queue:
-                item = self.queue.popleft()
-                if isinstance(item, Event):
-                    self._deliver(item)
-                else:
-                    self.steps_waiting -= 1
-                    try:
-                        event = self._step_event(*item)
-                    except Exception:  # noqa: BLE001 - a value that cannot be read (a deleted buffer) is lost,
-                        self.dropped += 1  # counted with the dropped ones, never the thread's end
-                        continue
-                    self._deliver(event)
-                # The GIL back after each event: the step loop releases it in every dispatch, and a thread
-                # holding it would make the loop wait up to the switch interval (5 ms) to take it back.
-                time.sleep(0)
-            self._flush()
+            if self.queue:
+                start = time.perf_counter()
+                share = DUTY if closing else self._share(rested, self._clocks())
+                self._drain(None if closing else start + SLICE)
+                self._flush()
+                if not closing:  # rest, so that the logger thread works `share` of the time
+                    spent = time.perf_counter() - start
+                    rested = self._clocks()
+                    self.wake.wait(min(max(spent * (1 / share - 1), REST_MIN), REST_MAX))
+                continue
             if closing:
                 return
+            rested = self._clocks()
             self.wake.wait(POLL)
+
+    def _clocks(self) -> tuple:
+        """(wall, the training thread's CPU, the process's CPU) seconds, read when a rest begins."""
+        trainer = 0.0
+        if self.trainer is not None:
+            try:
+                trainer = time.clock_gettime(self.trainer)
+            except OSError:  # the training thread ended (a background run's): it is idle
+                self.trainer = None
+        return time.perf_counter(), trainer, time.process_time()
+
+    def _share(self, rested: tuple, now: tuple) -> float:
+        """The share of the time the logger thread may work until its next rest: `DUTY` while the training
+        thread was busy during the last rest (a dispatch-bound loop: every moment the logger holds the
+        interpreter is taken from it); when it was mostly idle (waiting for an accelerator), half of
+        what it and the process left of the CPUs idle, up to `SHARE_MAX`. Measured over the rest alone,
+        when the logger thread took nothing, so its own work never reads as the training thread's idleness."""
+        wall, trainer, process = now
+        span = wall - rested[0]
+        if self.trainer is None or span < REST_MIN / 2:  # woken early (the call's end): no measure
+            return DUTY
+        idle = 1 - (trainer - rested[1]) / span
+        if idle < IDLE:
+            return DUTY
+        idle_cpus = self.cpus - (process - rested[2]) / span
+        return min(max(min(idle, idle_cpus) / 2, DUTY), SHARE_MAX)
+
+    def _drain(self, until: float | None):
+        """Deliver queued events in order, until the queue is empty or the clock passes `until`."""
+        queue, clock = self.queue, time.perf_counter
+        while queue:
+            item = queue.popleft()
+            if isinstance(item, Event):
+                self._deliver(item)
+            else:
+                self.steps_taken += 1
+                try:
+                    event = self._step_event(*item)
+                except Exception:  # noqa: BLE001 - a value that cannot be read (a deleted buffer) is lost,
+                    self.unreadable += 1  # counted with the dropped ones, never the thread's end
+                    continue
+                self._deliver(event)
+            if until is not None and clock() > until:
+                return
 
     def _step_event(self, step, epoch, value, clock, now) -> Event:
         values = {}
         if self.guard_read is None or getattr(value, "ndim", 0) == 0:
-            values["step/loss"] = float(value)
+            values["step/loss"] = float(np.asarray(value))  # a sixth of `float(value)`'s 9 us on a CPU
         else:
             origin, total, count = self.guard_read(value)
             last_origin, last_total, last_count = self.block

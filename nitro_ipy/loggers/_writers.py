@@ -206,6 +206,8 @@ class MLflow(_Writer):
 
         ms = int(event.time * 1000)
         self._metrics.extend(Metric(tag, value, ms, event.step) for tag, value in event.values.items())
+        if len(self._metrics) >= 1000:  # a whole batch: written now, not held (a backlog's drain would hold
+            self._flush()  # tens of thousands of objects, each collection of the oldest generation longer)
 
     def _flush(self):
         while self._metrics or self._params:  # MLflow takes at most 1000 metrics and 100 params a batch
