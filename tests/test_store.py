@@ -115,6 +115,53 @@ def test_a_stored_program_loads_after_a_reset_and_counts_as_a_miss(store, messag
     assert repr(table).splitlines()[-1].endswith(f"in {store} ({_store.loaded_count} loaded from disk this session)")
 
 
+def _wait_preloaded():
+    for slot in list(_store.preloaded.values()):
+        assert slot.done.wait(60)
+
+
+def test_a_new_handle_loads_its_classs_stored_programs_while_its_init_runs(store, messages):
+    first = _train()
+    digests = [_store.key_digest(k) + ".nxp" for k in first._programs]  # in the order the handle took them
+    (index,) = (store / "programs").glob("*.nxg")
+    assert json.loads(index.read_text()) == {"group": f"{Tiny.__module__}.Tiny", "programs": digests}
+    nitro_ipy.cache_reset()  # as a new process: nothing in memory
+    messages.clear()
+    taken, loaded = _store.preloaded_taken, _store.loaded_count
+    n = Nitro(Tiny(), data=DATA, batch_size=16, max_epochs=1, progress=False)  # the prefetch starts here
+    _wait_preloaded()
+    assert sorted(_store.preloaded) == sorted(digests)
+    assert all(slot.compiled is not None for slot in _store.preloaded.values())
+    n.train()
+    assert _store.preloaded == {} and _store.preloaded_taken - taken == 3 and _store.loaded_count - loaded == 3
+    assert [(t.split()[2], "from disk" in t) for t in _compiles(messages)] == [("grad", True), ("opt", True),
+                                                                              ("eval", True)]
+    assert n.history == first.history
+    assert json.loads(index.read_text())["programs"] == digests  # unchanged: not written again
+
+
+def test_a_preloaded_executable_is_taken_only_for_the_file_it_was_loaded_from(store, messages):
+    first = _train()
+    grad, opt, _ = (_store.key_digest(k) + ".nxp" for k in first._programs)
+    nitro_ipy.cache_reset()
+    messages.clear()
+    taken = _store.preloaded_taken
+    n = Nitro(Tiny(), data=DATA, batch_size=16, max_epochs=1, progress=False)
+    _wait_preloaded()
+    _store.preloaded[grad].sha = "0" * 64  # as if another process rewrote the file since it was preloaded
+    (store / "programs" / opt).write_bytes(b"NITROPS1 truncated")  # and a damaged file
+    n.train()
+    assert _store.preloaded_taken - taken == 1  # eval's alone
+    refused = [m.data["reason"] for m in messages if m.kind == _report.Kind.STORE_REFUSED]
+    assert refused == ["truncated"]  # said once, by the load, as without a prefetch
+    assert [(t.split()[2], "from disk" in t) for t in _compiles(messages)] == [("grad", True), ("opt", False),
+                                                                              ("eval", True)]
+    # Another class's handle loads nothing of Tiny's.
+    nitro_ipy.cache_reset()
+    Nitro(Scored(), data=DATA, batch_size=16, max_epochs=1, progress=False)
+    assert _store.preloaded == {}
+
+
 @dataclasses.dataclass
 class Scored(Tiny):
     @nitro_ipy.metrics("device")
@@ -435,6 +482,8 @@ CHILD = textwrap.dedent('''
     data = {{"train": {{"x": x, "y": np.sin(x.sum(1))}}, "valid": {{"x": x[:16], "y": np.sin(x[:16].sum(1))}}}}
     n = Nitro(Regression(), data=data, batch_size=16, max_epochs=1, progress=False)
     n.train()
+    from nitro_ipy._compiler import _store
+    print("PRELOADED", _store.preloaded_taken)
     print("RESULT", json.dumps({{"stats": list(nitro_ipy.cache_stats()), "history": n.history}}))
 ''')
 
@@ -451,20 +500,23 @@ def _child(tmp_path, store, scale, devices: int = 1, cpu: bool = False):
     lines = out.stdout.splitlines()
     compiles = [(l.split()[2], "from disk" in l) for l in lines if l.startswith("nitro_ipy: compiled ")]
     result = json.loads(next(l for l in lines if l.startswith("RESULT "))[7:])
-    return compiles, result
+    preloaded = int(next(l for l in lines if l.startswith("PRELOADED "))[10:])
+    return compiles, result, preloaded
 
 
 def test_restart_loads_every_program_and_an_edit_recompiles_exactly_the_drifted(tmp_path):
     store = tmp_path / "cache"
     store.mkdir(mode=0o700)
-    cold, first = _child(tmp_path, store, 2.0)
-    assert cold == [("grad", False), ("opt", False), ("eval", False)]
-    warm, second = _child(tmp_path, store, 2.0)
+    cold, first, preloaded = _child(tmp_path, store, 2.0)
+    assert cold == [("grad", False), ("opt", False), ("eval", False)] and preloaded == 0
+    warm, second, preloaded = _child(tmp_path, store, 2.0)
     assert warm == [("grad", True), ("opt", True), ("eval", True)]  # nothing traced, nothing compiled
+    assert preloaded == 3  # each loaded while the handle's setup ran, before its first step asked
     assert second == first  # same counts (3 misses, 3 entries), same losses
     assert first["stats"][1:] == [3, 3]
-    edited, third = _child(tmp_path, store, 3.0)  # the helper's global changed between the processes
+    edited, third, preloaded = _child(tmp_path, store, 3.0)  # the helper's global changed between the processes
     assert edited == [("grad", False), ("opt", True), ("eval", False)]
+    assert preloaded == 1  # the drifted ones were preloaded too, and never served
     assert third["stats"][1:] == [3, 3]
 
 

@@ -67,6 +67,32 @@ _reported: set = set()  # bad files said once per process
 _fallbacks: set = set()  # keys said once as going through JAX's cache
 _swept: set = set()  # store directories (resolved) swept of what killed writers left, once per process
 loaded_count = 0  # programs this process loaded from disk
+# Executables `_prefetch` deserialized before anyone asked: file name -> `Preloaded`. `load` takes one
+# whose payload is the file's (its checks run as for any load), and waits for one still loading.
+preloaded: dict = {}
+preloaded_taken = 0  # loads that took a preloaded executable
+
+
+class Preloaded:
+    """One executable `_prefetch` loads in the background: `done` set once `compiled` (None: it failed)."""
+
+    def __init__(self):
+        self.done, self.sha, self.compiled = threading.Event(), None, None
+
+
+def _take_preloaded(name: str, sha: str):
+    """The executable `_prefetch` loaded from file `name` with payload `sha` (waiting while it loads), or None."""
+    global preloaded_taken
+    with _lock:
+        slot = preloaded.pop(name, None)
+    if slot is None:
+        return None
+    slot.done.wait()
+    if slot.compiled is None or slot.sha != sha:
+        return None
+    with _lock:
+        preloaded_taken += 1
+    return slot.compiled
 
 
 # ---------------------------------------------------------------- where
@@ -484,8 +510,10 @@ def load(key, info: dict | None = None, why: str | None = None):
         _refuse(path, f"unreadable ({type(err).__name__}: {err})")
         return None
     try:
-        compiled = deserialize_compiled(payload, in_tree, out_tree, meta.get("devices"),
-                                        find_class=_trust.find_executable_class)
+        compiled = _take_preloaded(name, (header.get("payload") or {}).get("sha256"))
+        if compiled is None:
+            compiled = deserialize_compiled(payload, in_tree, out_tree, meta.get("devices"),
+                                            find_class=_trust.find_executable_class)
     except _trust.Refused as err:
         _refuse(path, str(err))
         return None

@@ -22,7 +22,7 @@ from .._base._errors import NitroValueError
 from .._base._live import live_value
 from .._base._report import Kind
 from .._base._sharding import in_mesh, pace, placement
-from .._compiler import _cache, _compile, _reuse, _store
+from .._compiler import _cache, _compile, _prefetch, _reuse, _store
 from .._experiment import _carry
 from .._experiment._binding import bind
 from .._experiment._checks import (
@@ -67,6 +67,11 @@ def _state_field(name: str) -> property:
     """A handle attribute stored in its `_loop.StepState` (read and written through)."""
     return property(lambda self: getattr(self._state, name), lambda self, v: setattr(self._state, name, v))
 
+
+
+def _store_group(cls) -> str:
+    """The program store's name for a handle's experiment class (`_prefetch`)."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 class Nitro:
     """A training handle on experiment `e`. Construction runs setup only; programs compile on first use.
@@ -196,6 +201,8 @@ class Nitro:
         # The handle is a fixed point from here on: hooks, routes and fingerprints are bound now.
         self._binding = b = bind(e, options["data"], options["schedules"])
         self.experiment = b.experiment
+        if carry is None:  # a new process's handle: its class's stored programs load while `init` runs
+            _prefetch.start(_store_group(b.cls))
         # Device fields: converted once, strongly typed, passed to every program as traced inputs.
         self._dev = place.replicate({n: jax.device_put(v) for n, v in b.device_host.items()})
 
@@ -396,6 +403,8 @@ class Nitro:
                 _report.emit(Kind.RECOMPILE_LOOP, program=key.kind, why=entry.why or "the key moved")
         self._kinds_seen.setdefault(key.kind, key)
         self._programs[key] = entry
+        if entry.origin == "disk" or not entry.unstorable:  # what the next process's handle loads first
+            _prefetch.note(_store_group(self._binding.cls), key)
         self._tracking.compiled(entry, self.step, self.epoch, taken)
         _ahead.resolved(self, spec, key, args, hook, fields)
         return entry
