@@ -138,6 +138,8 @@ def test_a_new_handle_loads_its_classs_stored_programs_while_its_init_runs(store
                                                                               ("eval", True)]
     assert n.history == first.history
     assert json.loads(index.read_text())["programs"] == digests  # unchanged: not written again
+    Nitro(Tiny(), data=DATA, batch_size=16, max_epochs=1, progress=False)  # the in-memory cache serves it
+    assert _store.preloaded == {}
 
 
 def test_a_preloaded_executable_is_taken_only_for_the_file_it_was_loaded_from(store, messages):

@@ -76,12 +76,10 @@ def start(group: str) -> None:
     programs = _store.active_dir()
     if programs is None:
         return
-    names = _read(programs, group)
-    with _store._lock:
-        for stale in [n for n, slot in _store.preloaded.items() if slot.done.is_set()]:
-            del _store.preloaded[stale]  # loaded for a handle that never asked
-        todo = [(n, _store.Preloaded()) for n in names if n not in _store.preloaded]
-        _store.preloaded.update(todo)
+    # Not what a handle of this process already took: the in-memory cache serves it (a sweep making a
+    # handle per trial would load the same executables again for each).
+    names = [n for n in _read(programs, group) if (programs, group, n) not in _noted]
+    todo = _store.claim_preloads(names)
     if todo:
         threading.Thread(target=_load_all, args=(programs, todo), name="nitro_ipy-prefetch", daemon=True).start()
 
@@ -102,7 +100,7 @@ def _load(programs: str, name: str) -> tuple:
     if blob is None:
         return None, None
     header, payload = _store.read_header(blob)
-    if _store._mismatch(header.get("validity") or {}):
+    if _store.foreign(header):
         return None, None
     trees = header["trees"]
     in_tree, out_tree = _trust.tree_from_records(trees["in"]), _trust.tree_from_records(trees["out"])
@@ -113,8 +111,7 @@ def _load(programs: str, name: str) -> tuple:
 
 
 def clear() -> None:
-    with _store._lock:
-        _store.preloaded.clear()
+    _store.clear_preloaded()
     _noted.clear()
 
 

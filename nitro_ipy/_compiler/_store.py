@@ -80,6 +80,27 @@ class Preloaded:
         self.done, self.sha, self.compiled = threading.Event(), None, None
 
 
+def claim_preloads(names) -> list:
+    """`(name, Preloaded)` for each of `names` not loading or loaded already, registered for `load` to take;
+    executables loaded earlier that no load took (a handle that never asked) are dropped first."""
+    with _lock:
+        for name in [n for n, slot in preloaded.items() if slot.done.is_set()]:
+            del preloaded[name]
+        todo = [(n, Preloaded()) for n in names if n not in preloaded]
+        preloaded.update(todo)
+    return todo
+
+
+def clear_preloaded() -> None:
+    with _lock:
+        preloaded.clear()
+
+
+def foreign(header: dict) -> bool:
+    """Whether a stored file's header says it was written for another setup (`validity`)."""
+    return bool(_mismatch(header.get("validity") or {}))
+
+
 def _take_preloaded(name: str, sha: str):
     """The executable `_prefetch` loaded from file `name` with payload `sha` (waiting while it loads), or None."""
     global preloaded_taken
