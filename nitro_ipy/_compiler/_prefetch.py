@@ -48,7 +48,7 @@ def _read(programs: str, group: str) -> list:
     names = record.get("programs") if isinstance(record, dict) and record.get("group") == group else None
     if not isinstance(names, list):
         return []
-    return [n for n in names if isinstance(n, str) and n.endswith(".nxp") and os.sep not in n][-KEEP:]
+    return [n for n in names if isinstance(n, str) and _store.is_program_file(n)][-KEEP:]
 
 
 def note(group: str, key) -> None:
@@ -56,7 +56,7 @@ def note(group: str, key) -> None:
     programs = _store.active_dir()
     if programs is None or not is_main_process() or not key.context.storable:
         return
-    name = _store.key_digest(key) + ".nxp"
+    name = _store.program_file(key)
     if (programs, group, name) in _noted:
         return
     _noted.add((programs, group, name))

@@ -96,6 +96,15 @@ def clear_preloaded() -> None:
         preloaded.clear()
 
 
+def program_file(key) -> str:
+    """The name of `key`'s file in the programs directory."""
+    return key_digest(key) + _SUFFIX
+
+
+def is_program_file(name: str) -> bool:
+    return name.endswith(_SUFFIX) and os.sep not in name
+
+
 def foreign(header: dict) -> bool:
     """Whether a stored file's header says it was written for another setup (`validity`)."""
     return bool(_mismatch(header.get("validity") or {}))
@@ -424,7 +433,7 @@ def save(entry) -> bool:
     }
     head = json.dumps(header, sort_keys=True).encode()
     blob = _MAGIC + struct.pack(">Q", len(head)) + head + payload
-    path = os.path.join(programs, key_digest(entry.key) + _SUFFIX)
+    path = os.path.join(programs, program_file(entry.key))
     try:  # a temp file named for this process, renamed into place: readers see old or new, whole
         _writes.atomic_write(path, blob, reserve=True)
     except OSError as err:  # a full or read-only disk: said once, the store goes off, nothing breaks
@@ -477,7 +486,7 @@ def forget(key, reason: str) -> None:
     why once."""
     programs = active_dir()
     if programs is not None:
-        _refuse(os.path.join(programs, key_digest(key) + _SUFFIX), reason)
+        _refuse(os.path.join(programs, program_file(key)), reason)
 
 
 def load(key, info: dict | None = None, why: str | None = None):
@@ -491,7 +500,7 @@ def load(key, info: dict | None = None, why: str | None = None):
     programs = active_dir()
     if programs is None or not key.context.storable:  # (a configuration that means nothing elsewhere)
         return None
-    name = key_digest(key) + _SUFFIX
+    name = program_file(key)
     path = os.path.join(programs, name)
     t0 = time.perf_counter()
     try:

@@ -68,10 +68,10 @@ def _state_field(name: str) -> property:
     return property(lambda self: getattr(self._state, name), lambda self, v: setattr(self._state, name, v))
 
 
-
 def _store_group(cls) -> str:
     """The program store's name for a handle's experiment class (`_prefetch`)."""
     return f"{cls.__module__}.{cls.__qualname__}"
+
 
 class Nitro:
     """A training handle on experiment `e`. Construction runs setup only; programs compile on first use.

@@ -8,8 +8,9 @@ floats (the copies have landed by then) and calls the loggers.
 Python runs one thread at a time, so whatever the loggers do while the step loop runs is taken from the
 loop whenever the loop is the bottleneck (a small model's dispatch): a writer's 15-100 us per event beside
 a 50 us step would double it. So while a `train()` call runs, the logger thread works in slices of at most
-`SLICE` seconds and rests `1 / DUTY - 1` times as long after each: it holds the interpreter for at most
-`DUTY` of the time, and what it has not written waits in the queue. When the call ends it writes the rest
+`SLICE` seconds and rests after each so that it holds the interpreter `DUTY` of the time while the
+training thread is busy (more, up to `SHARE_MAX`, while it waits for an accelerator: `Session._share`),
+and what it has not written waits in the queue. When the call ends it writes the rest
 at full speed, and the call returns once everything is written and each logger flushed. When the
 loggers cannot keep up (more than `QUEUE` step events waiting), new step events are dropped and counted
 (said once, at the call's end); epoch, validation and text events are never dropped. A logger that raises
@@ -280,7 +281,7 @@ class Session:
                 try:
                     event = self._step_event(*item)
                 except Exception:  # noqa: BLE001 - a value that cannot be read (a deleted buffer) is lost,
-                    self.unreadable += 1  # counted with the dropped ones, never the thread's end
+                    self.unreadable += 1  # counted and said at the call's end, never the thread's end
                     continue
                 self._deliver(event)
             if until is not None and clock() > until:
