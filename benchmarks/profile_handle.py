@@ -492,8 +492,22 @@ def flax_cnns() -> dict:
             x = nn.relu(nn.Conv(8, (3, 3))(nn.relu(nn.Conv(8, (3, 3))(x))))
             return nn.Dense(10)(x.reshape((x.shape[0], -1)))
 
-    def cnn(module):
-        x, y = jnp.ones((64, 8, 8, 1), jnp.float32), jnp.zeros((64,), jnp.int32)
+    class ResBlock(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.relu(nn.BatchNorm(use_running_average=False)(nn.Conv(16, (3, 3))(x)))
+            return nn.relu(x + nn.BatchNorm(use_running_average=False)(nn.Conv(16, (3, 3))(h)))
+
+    class ResNet(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Conv(16, (3, 3))(x))
+            for _ in range(3):
+                x = ResBlock()(x)
+            return nn.Dense(10)(x.mean((1, 2)))
+
+    def cnn(module, side=8, channels=1):
+        x, y = jnp.ones((64, side, side, channels), jnp.float32), jnp.zeros((64,), jnp.int32)
         v = module.init(jax.random.PRNGKey(0), x)
 
         def loss(p, x, y):
@@ -502,7 +516,8 @@ def flax_cnns() -> dict:
 
         return loss, (v["params"], x, y)
 
-    return {"conv + batchnorm CNN": cnn(BN()), "two-conv CNN": cnn(TwoConv())}
+    return {"conv + batchnorm CNN": cnn(BN()), "two-conv CNN": cnn(TwoConv()),
+            "3-block ResNet, 32x32x3": cnn(ResNet(), 32, 3)}
 
 
 def probe_convflags(cells):
@@ -513,6 +528,7 @@ def probe_convflags(cells):
     cases = chosen({**flax_cnns(), "8-layer MLP (32 wide)": mlp_loss(16, 32, 8, 64)}, CFG["conv_cases"])
     flags = {"fusion emitters": {}, "classic emitters": {"xla_cpu_use_fusion_emitters": False},
              "classic O1": {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1},
+             "classic O2": {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 2},
              "classic cheap LLVM": {"xla_cpu_use_fusion_emitters": False, "xla_llvm_disable_expensive_passes": True},
              "classic O1 cheap LLVM": {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1,
                                        "xla_llvm_disable_expensive_passes": True}}

@@ -7,7 +7,12 @@ recording reads the values of the globals a trace read when the trace ends, not 
 that redefined a helper meanwhile would have the old helper compiled and the new one recorded, a stale
 program that says it is current. So the cell hooks mark when a cell's own statements may run
 (`cell_started` / `cell_ended`, and `inside_nitro` around nitro's own calls in the cell, during which none
-do), and `settle_mark()` / `settled(mark)` tell whether any may have run between the two.
+do), and `trace_begun()` / `trace_ended(mark)`, around a trace, tell whether any may have run meanwhile.
+
+A cell that starts while a background trace runs waits for that trace first, at most `CELL_WAIT_S`
+(`trace_begun` / `trace_ended` count them): the cell run at once after an edit (`n = n.rebuild()`) would
+otherwise cross the trace compile ahead began at the edit's end, and have it dropped and done again in
+the foreground; the trace holds the GIL, so the cell would have run at half speed beside it anyway.
 """
 
 import contextlib
@@ -16,6 +21,7 @@ import time
 
 _world = 0
 _lock = threading.Lock()  # the file watcher bumps from its own thread
+_traced = threading.Condition(_lock)  # notified when a background trace ends
 
 
 def world() -> int:
@@ -38,10 +44,29 @@ def bump_world() -> int:
 
 _moves = [0]  # bumped whenever the user's code may have started to run or to redefine something
 _cell = [None, 0]  # the thread running a notebook cell (None between cells), nitro calls it is inside
+_background = [0]  # traces in threads other than the cell's, in flight (`trace_begun` to `trace_ended`)
+# How long a cell's start waits for the background traces in flight (a trace of a program compiled ahead
+# takes 0.02-0.2 s for the models of benchmarks/; a longer one is crossed by the cell, and done again).
+CELL_WAIT_S = 0.5
+POLL_S = 0.005
+waited = [0, 0.0]  # cells that waited for a background trace, and the seconds they waited (for tests)
+# Callables saying whether a background trace is about to start (`_ahead`: a job ready to go): the cell's
+# start waits for it too. Called without this module's lock.
+PENDING: list = []
 
 
-def cell_started() -> None:
-    """A notebook cell starts (the extension's pre-cell hook): its statements may redefine anything."""
+def cell_started(wait: float | None = None) -> None:
+    """A notebook cell starts (the extension's pre-cell hook): its statements may redefine anything. It
+    first waits, at most `wait` s (`CELL_WAIT_S`), for the traces running in other threads to end."""
+    t0 = time.monotonic()
+    deadline, polls = t0 + (CELL_WAIT_S if wait is None else wait), 0
+    while (_background[0] or any(about() for about in PENDING)) and time.monotonic() < deadline:
+        polls += 1
+        with _traced:  # woken as a trace ends; a job taken off a queue starts its trace within a poll
+            _traced.wait(min(POLL_S, max(deadline - time.monotonic(), 0)))
+    if polls:
+        waited[0] += 1
+        waited[1] += time.monotonic() - t0
     with _lock:
         _cell[:] = [threading.get_ident(), 0]
         _moves[0] += 1
@@ -71,14 +96,28 @@ def inside_nitro():
             _moves[0] += 1  # back in the cell's own statements
 
 
-def settle_mark():
-    """A mark to hand `settled` after a trace in this thread. None in the cell's own thread: nothing
-    else edits while the cell itself traces."""
+def trace_begun():
+    """A mark for `trace_ended`, taken as a trace starts; None in the cell's own thread (nothing else edits
+    while the cell itself traces). A trace in another thread counts as in flight until `trace_ended`
+    (which must follow): a cell starting meanwhile waits for it."""
     me = threading.get_ident()
     with _lock:
         if _cell[0] == me:
             return None
+        _background[0] += 1
         return _moves[0], _cell[0] is not None and _cell[1] == 0
+
+
+def trace_ended(mark) -> bool:
+    """The trace `trace_begun` gave `mark` for ended: whether no statement of a cell (and no other
+    redefinition that bumps the world) can have run since, so that what a recording in this thread read
+    is what it records."""
+    if mark is None:
+        return True
+    with _traced:
+        _background[0] -= 1
+        _traced.notify_all()
+        return not mark[1] and mark[0] == _moves[0]
 
 
 def cell_busy() -> bool:
@@ -96,9 +135,3 @@ def wait_settled(timeout: float) -> bool:
             return False
         time.sleep(0.005)
     return True
-
-
-def settled(mark) -> bool:
-    """Whether no statement of a cell (and no other redefinition that bumps the world) can have run since
-    `settle_mark()` gave `mark`: what a recording in this thread read is what it records."""
-    return mark is None or (not mark[1] and mark[0] == _moves[0])

@@ -32,7 +32,7 @@ class Recorder:
         # (`note_field_read`), replays included: what a program's GraphConst key component is matched on.
         self.fields: frozenset = frozenset()
         # After the block: False when a cell's statements may have run in another thread while this one
-        # traced (`_world.settled`): the closure holds the globals as they are at the end, and the trace
+        # traced (`_world.trace_ended`): the closure holds the globals as they are at the end, and the trace
         # may have read others. A background compile drops such a program; the cell's own thread is
         # always settled.
         self.settled: bool = True
@@ -47,31 +47,37 @@ class Recorder:
 
     def __enter__(self) -> Recorder:
         self._tid = threading.get_ident()
-        self._mark = _world.settle_mark()
-        self._mode = probes.enter(self)
+        self._mark = _world.trace_begun()
+        try:
+            self._mode = probes.enter(self)
+        except BaseException:
+            _world.trace_ended(self._mark)
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
-        probes.exit(self)
-        if self._jaxprs:
-            roots = [*self._roots, *(attr for _cls, _name, attr in self._attrs.values())]
-            for frame in traceback_functions(self._jaxprs, roots):
-                self._frames.setdefault(id(frame.code), frame)
-        builder = Builder()
-        builder.via_class = {id(fn.__code__) for _cls, _name, attr in self._attrs.values()
-                             for fn in underlying(attr)}
-        frames = [f for f in self._frames.values() if f is not None]
-        self.fields = frozenset(self._fields)
-        if self._keep:
-            self.kept = (tuple(frames), tuple(self._attrs.values()), self.fields)
-        for code, ns, _cells in frames:
-            builder.executed.add((ns.get("__name__") or "?", code.co_qualname))
-        for code, ns, cells in frames:
-            builder.function(code, ns, cells)
-        for cls, name, attr in self._attrs.values():
-            builder.class_attr(cls, name, attr)
-        self.closure = builder.build()
-        self.settled = _world.settled(self._mark)  # after the build: what it read is what the trace read
+        try:
+            probes.exit(self)
+            if self._jaxprs:
+                roots = [*self._roots, *(attr for _cls, _name, attr in self._attrs.values())]
+                for frame in traceback_functions(self._jaxprs, roots):
+                    self._frames.setdefault(id(frame.code), frame)
+            builder = Builder()
+            builder.via_class = {id(fn.__code__) for _cls, _name, attr in self._attrs.values()
+                                 for fn in underlying(attr)}
+            frames = [f for f in self._frames.values() if f is not None]
+            self.fields = frozenset(self._fields)
+            if self._keep:
+                self.kept = (tuple(frames), tuple(self._attrs.values()), self.fields)
+            for code, ns, _cells in frames:
+                builder.executed.add((ns.get("__name__") or "?", code.co_qualname))
+            for code, ns, cells in frames:
+                builder.function(code, ns, cells)
+            for cls, name, attr in self._attrs.values():
+                builder.class_attr(cls, name, attr)
+            self.closure = builder.build()
+        finally:
+            self.settled = _world.trace_ended(self._mark)  # after the build: what it read is what the trace read
         self._frames.clear()
         self._attrs.clear()
         self._fields.clear()

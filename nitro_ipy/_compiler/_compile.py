@@ -276,7 +276,7 @@ def _fresh(fn):
 
 
 class Unsettled(Exception):
-    """A background trace overlapped a cell's own statements (`_world.settled`): what it recorded may not
+    """A background trace overlapped a cell's own statements (`_world.trace_ended`): what it recorded may not
     be what it traced, so nothing of it is kept."""
 
 

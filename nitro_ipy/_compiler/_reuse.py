@@ -153,15 +153,18 @@ class Forward:
 def warm(key, forward: Forward, program, args) -> bool:
     """Trace `program` (the gradient program, calling through `forward`) for `args`, so that JAX caches
     the forward's trace and derivative; then keep `forward` for the next program keyed `key`. Returns
-    whether `forward` was kept: not when a cell started or ended while it traced (`_world.settled`)."""
-    evictions, generation, mark = _cache.evictions(), _cache.generation(), _world.settle_mark()
+    whether `forward` was kept: not when a cell started or ended while it traced (`_world.trace_ended`)."""
+    evictions, generation, mark = _cache.evictions(), _cache.generation(), _world.trace_begun()
+    settled = False
     try:
         with _quiet():
             jax_jit(program).trace(*args)
         forward.finish()
     except Exception:  # an optimisation only: the next build traces plainly and warms again
         return False
-    if _cache.evictions() != evictions or not _world.settled(mark):
+    finally:
+        settled = _world.trace_ended(mark)
+    if _cache.evictions() != evictions or not settled:
         # An edit's scan ran meanwhile, or a cell did (its recording may name code the trace did not
         # run): what this trace cached of the user's inner functions may be the old code's.
         _cache.evict_user_traces()
@@ -241,7 +244,7 @@ def training():
     with _cv:
         _training[0] += 1
     try:
-        with _world.inside_nitro():  # a trace beside it meets no statement of the cell (`_world.settled`)
+        with _world.inside_nitro():  # a trace beside it meets no statement of the cell (`_world.trace_ended`)
             yield
     finally:
         with _cv:

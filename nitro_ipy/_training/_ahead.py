@@ -21,8 +21,9 @@ Live handles are tracked weakly (`track`), each with the recipe of every program
 - A compile ahead after an edit waits while a step loop runs and for `QUIET_S` after (training comes
   first), unless a rebuild waits for it.
 - The workers say nothing: their compile lines are held on the entry and said by the handle that first
-  takes the program (`_cache._served`: where its compile line would have been), in that handle's thread. A compile that raised leaves the key
-  unclaimed, so the rebuild compiles it in the foreground and raises there, with the user's traceback.
+  takes the program (`_cache._served`), in its thread. A compile that raised leaves the key unclaimed, so
+  the rebuild compiles it in the foreground and raises there, with the user's traceback.
+- A cell starting while a job is ready to trace waits for its trace first (`_about_to_trace`, `_world`).
 - `prefetch_eval`: a training handle's evaluation forward compiles while its first epoch runs: from the
   moment its first step's XLA compile starts (the `xla_start` event), or from its first step on when
   nothing compiles (`_pipeline` reports it through `stepping`); its device metrics' programs follow
@@ -124,9 +125,8 @@ _cv = threading.Condition()
 _queue: collections.deque = collections.deque()
 _wanted: set = set()  # keys still wanted: a job whose key left it (a newer edit) is dropped, not compiled
 # Two workers, so independent programs compile at once: XLA's compile releases the GIL, and a second
-# program's trace runs while the first one is in XLA. Only one worker traces at a time (`_tracing`): two
-# traces would only share the GIL, and the first program (what the rebuilt handle's first step needs)
-# would be ready later.
+# program's trace runs while the first one is in XLA. Only one traces at a time (`_tracing`): two would
+# share the GIL, and the first program (what the rebuilt handle's first step needs) be ready later.
 WORKERS = 2
 _busy: dict = {}  # worker thread -> the Job it runs
 _tracing: set = set()  # workers whose job has not reached its XLA compile yet
@@ -213,7 +213,14 @@ def _quiet_now() -> bool:
         return _held_back() == 0 and not _busy and not _queue
 
 
+def _about_to_trace() -> bool:
+    """`_world`: a job is ready to trace (a cell starting now waits for its trace, `_world.cell_started`)."""
+    with _cv:
+        return bool(_queue) and _loops > _queue[0].after and _may_go(_queue[0])
+
+
 _reuse.IDLE.append(_quiet_now)
+_world.PENDING.append(_about_to_trace)
 
 
 # ---------------------------------------------------------------- the handle's side (main thread)
