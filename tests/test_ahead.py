@@ -1423,6 +1423,38 @@ def test_the_cell_run_at_once_after_an_edit_waits_for_the_trace_begun_ahead(edit
         assert served == _on_demand(on_demand)
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_cell_start_waits_for_a_background_trace_but_not_a_speculative_one(speculative):
+    # `_world` alone: a trace in another thread (its mark taken, not ended) holds the next cell's start
+    # until it ends; a speculative one (trace reuse's warming) does not, and is crossed: not settled.
+    import contextlib
+
+    from nitro_ipy._base import _world
+
+    begun, release, settled = threading.Event(), threading.Event(), []
+
+    def trace():
+        with _world.speculative() if speculative else contextlib.nullcontext():
+            mark = _world.trace_begun()
+            begun.set()
+            release.wait(30)
+            settled.append(_world.trace_ended(mark))
+
+    worker = threading.Thread(target=trace)
+    worker.start()
+    assert begun.wait(30)
+    threading.Timer(0.2, release.set).start()  # the trace ends 0.2 s from now
+    waited = list(_world.waited)
+    try:
+        _world.cell_started(wait=30)
+        held = _world.waited[0] - waited[0]
+    finally:
+        _world.cell_ended()
+        release.set()
+        worker.join(30)
+    assert (held, settled) == ((0, [False]) if speculative else (1, [True]))
+
+
 @pytest.mark.parametrize("edit", ["reset", "loss"])
 def test_a_warming_that_a_cell_overlaps_is_not_kept(edit):
     # The forward's warming (trace reuse) is held in `helper` while a cell edits it: the warmed forward is

@@ -10,7 +10,7 @@ program that says it is current. So the cell hooks mark when a cell's own statem
 do), and `trace_begun()` / `trace_ended(mark)`, around a trace, tell whether any may have run meanwhile.
 
 A cell that starts while a background trace runs waits for that trace first, at most `CELL_WAIT_S`
-(`trace_begun` / `trace_ended` count them): the cell run at once after an edit (`n = n.rebuild()`) would
+(`trace_begun` / `trace_ended` count them; not a `speculative` one, trace reuse's warming): the cell run at once after an edit (`n = n.rebuild()`) would
 otherwise cross the trace compile ahead began at the edit's end, and have it dropped and done again in
 the foreground; the trace holds the GIL, so the cell would have run at half speed beside it anyway.
 """
@@ -96,16 +96,31 @@ def inside_nitro():
             _moves[0] += 1  # back in the cell's own statements
 
 
+_speculative = threading.local()
+
+
+@contextlib.contextmanager
+def speculative():
+    """Around a speculative trace (trace reuse's warming, whose recordings nest in it): a cell starting
+    meanwhile does not wait for it; it crosses and drops it, and the warming is done again later."""
+    _speculative.depth = getattr(_speculative, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _speculative.depth -= 1
+
+
 def trace_begun():
     """A mark for `trace_ended`, taken as a trace starts; None in the cell's own thread (nothing else edits
     while the cell itself traces). A trace in another thread counts as in flight until `trace_ended`
-    (which must follow): a cell starting meanwhile waits for it."""
+    (which must follow): a cell starting meanwhile waits for it, unless it is `speculative`."""
     me = threading.get_ident()
+    awaited = not getattr(_speculative, "depth", 0)
     with _lock:
         if _cell[0] == me:
             return None
-        _background[0] += 1
-        return _moves[0], _cell[0] is not None and _cell[1] == 0
+        _background[0] += awaited
+        return _moves[0], _cell[0] is not None and _cell[1] == 0, awaited
 
 
 def trace_ended(mark) -> bool:
@@ -115,7 +130,7 @@ def trace_ended(mark) -> bool:
     if mark is None:
         return True
     with _traced:
-        _background[0] -= 1
+        _background[0] -= mark[2]
         _traced.notify_all()
         return not mark[1] and mark[0] == _moves[0]
 

@@ -154,16 +154,16 @@ def warm(key, forward: Forward, program, args) -> bool:
     """Trace `program` (the gradient program, calling through `forward`) for `args`, so that JAX caches
     the forward's trace and derivative; then keep `forward` for the next program keyed `key`. Returns
     whether `forward` was kept: not when a cell started or ended while it traced (`_world.trace_ended`)."""
-    evictions, generation, mark = _cache.evictions(), _cache.generation(), _world.trace_begun()
-    settled = False
-    try:
-        with _quiet():
-            jax_jit(program).trace(*args)
-        forward.finish()
-    except Exception:  # an optimisation only: the next build traces plainly and warms again
-        return False
-    finally:
-        settled = _world.trace_ended(mark)
+    with _world.speculative():  # a cell starting meanwhile does not wait for it (it drops it)
+        evictions, generation, mark = _cache.evictions(), _cache.generation(), _world.trace_begun()
+        try:
+            with _quiet():
+                jax_jit(program).trace(*args)
+            forward.finish()
+        except Exception:  # an optimisation only: the next build traces plainly and warms again
+            return False
+        finally:
+            settled = _world.trace_ended(mark)
     if _cache.evictions() != evictions or not settled:
         # An edit's scan ran meanwhile, or a cell did (its recording may name code the trace did not
         # run): what this trace cached of the user's inner functions may be the old code's.
