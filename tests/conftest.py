@@ -38,15 +38,31 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 # closures, staleness, trace reuse, the program store and everything else run on each.
 ONCE_PER_CI = ("test_browser.py", "test_export.py", "test_sharding.py", "test_checkpoint.py", "test_savehook.py",
                "test_models.py", "test_docs.py", "test_digits_notebook.py", "test_tracking.py")
+# What depends on JAX's release but not on the interpreter's runs once per JAX release, on the first Python
+# that gets it (`tools/ci_tests.py` sets NITRO_IPY_CI_JAX_ONCE=0 on the others: 3.13 gets 3.12's JAX, and
+# records closures the same way). The data pipeline, parameter groups, guards, state patterns, steps per
+# execution, configuration keys, the program store and its trust, the cache's keys and counts, the
+# handle's API, sweeps, reports, real kernels, faults and full disks, JAX's own jit tests, the benchmarks'
+# code paths: what they build on (the recorder, fingerprints, closures, staleness, trace reuse, compile
+# ahead, threads, the extension's cell hooks, `nitro_ipy.jit`, the user-facing errors) runs on each.
+ONCE_PER_JAX = ("test_data.py", "test_groups.py", "test_guard.py", "test_guards.py", "test_state_patterns.py",
+                "test_steps.py", "test_config.py", "test_store.py", "test_store_trust.py", "test_cache.py",
+                "test_handle.py", "test_sweep.py", "test_report.py", "test_kernel.py", "test_notebook.py",
+                "test_restart_kernel.py", "test_runs_kernel.py", "test_faults.py", "test_disk_faults.py",
+                "test_jit_api.py", "test_benchmarks.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("NITRO_IPY_CI_ONCE") != "0":
-        return
-    once = pytest.mark.skip(reason="independent of the Python version: run once per CI run, on its first Python")
-    for item in items:
-        if item.path.name in ONCE_PER_CI:
-            item.add_marker(once)
+    skips = []
+    if os.environ.get("NITRO_IPY_CI_ONCE") == "0":
+        skips.append((ONCE_PER_CI, "independent of the Python version: run once per CI run, on its first Python"))
+    if os.environ.get("NITRO_IPY_CI_JAX_ONCE") == "0":
+        skips.append((ONCE_PER_JAX, "independent of the interpreter: run once per JAX release, on the first "
+                                    "Python that gets it"))
+    for names, reason in skips:
+        for item in items:
+            if item.path.name in names:
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 def tol(rtol: float = 1e-5, atol: float = 1e-6) -> dict:

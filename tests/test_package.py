@@ -198,3 +198,12 @@ def test_no_module_is_longer_than_700_lines():
     long = {str(p.relative_to(ROOT)): n for p in sorted(ROOT.rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > 700}
     assert long == {}
+
+
+def test_the_ci_once_lists_name_test_files_once():
+    # A misspelt name would quietly run a file on every Python, or skip none of what it means to.
+    from conftest import ONCE_PER_CI, ONCE_PER_JAX
+
+    files = {p.name for p in pathlib.Path(__file__).parent.glob("test_*.py")}
+    listed = list(ONCE_PER_CI) + list(ONCE_PER_JAX)
+    assert sorted(set(listed) - files) == [] and len(set(listed)) == len(listed)

@@ -8,7 +8,12 @@ no Playwright), installed without compiling every file to bytecode; one import o
 use then writes the bytecode they need (about 60 s an install instead of 115 s on 2 cores). The tests
 that do not depend on the Python minor version (browser and export rendering, meshes and processes,
 checkpoints, the server's save hook, Flax and Equinox models, the pages and the digits
-notebook: `ONCE_PER_CI` in `tests/conftest.py`) run on the first Python only.
+notebook: `ONCE_PER_CI` in `tests/conftest.py`) run on the first Python only. The tests that depend on
+JAX's release but not on the interpreter's (`ONCE_PER_JAX`: the data pipeline, groups, the program
+store, kernels, faults, ...) run on the first Python of each JAX release: 3.11 (JAX 0.10) and 3.12
+(0.12), not again on 3.13, which gets 3.12's JAX and the same recorder (`sys.monitoring`). 3.13 runs
+what its bytecode, frames and threads can change: the recorder, fingerprints, closures, staleness,
+trace reuse, compile ahead, the extension, `nitro_ipy.jit`, errors and messages.
 
 On a machine with 2 cores or more, two lanes run side by side (`--serial`: one Python after the other):
 the first Python's tests, their output shown as it comes; and the later Pythons' tests, one after the
@@ -109,13 +114,27 @@ def install(version: str, exe: str, fresh: bool, once: bool = True) -> Path:
     return py
 
 
-def run_tests(version: str, py: Path, pytest_args: list, once: bool = True, live: bool = True) -> dict:
+def jax_version(py: Path) -> str | None:
+    """The JAX release installed for `py` (from its metadata: JAX is not imported)."""
+    try:
+        out = subprocess.run([str(py), "-c", "import importlib.metadata as m; print(m.version('jax'))"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def run_tests(version: str, py: Path, pytest_args: list, once: bool = True, live: bool = True,
+              jax_once: bool = True) -> dict:
     """Run pytest with `py`; returns the counts of its summary line (`{"passed": N, ...}`) and `rc`.
-    Unless `once`, the tests that run once per CI run are skipped (`tests/conftest.py`'s `ONCE_PER_CI`).
-    Its output is shown as it comes when `live`, else whole at its end."""
+    Unless `once`, the tests that run once per CI run are skipped (`tests/conftest.py`'s `ONCE_PER_CI`);
+    unless `jax_once`, also those that run once per JAX release (`ONCE_PER_JAX`). Its output is shown as
+    it comes when `live`, else whole at its end."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # test this checkout, via the venv
     if not once:
         env["NITRO_IPY_CI_ONCE"] = "0"
+    if not jax_once:
+        env["NITRO_IPY_CI_JAX_ONCE"] = "0"
     t0 = time.perf_counter()
     if not live:
         say(f"[ci] Python {version}: tests started; their output comes whole when they end")
@@ -141,9 +160,24 @@ def run_tests(version: str, py: Path, pytest_args: list, once: bool = True, live
     return {"rc": rc, **counts}
 
 
-def lane(installs: dict, args, once: str | None, live: bool) -> list:
+def first_of_its_jax(version: str, py: Path, every: dict) -> bool:
+    """Whether `version` is the first Python (in `VERSIONS` order) of those installed (`every`: version ->
+    the future of its install) to get its JAX release: it runs the once-per-JAX tests."""
+    mine = jax_version(py)
+    for earlier in VERSIONS[:VERSIONS.index(version)]:
+        if earlier in every:
+            try:
+                if jax_version(every[earlier].result()) == mine:
+                    return False
+            except subprocess.CalledProcessError:
+                continue
+    return True
+
+
+def lane(installs: dict, args, once: str | None, live: bool, every: dict | None = None) -> list:
     """Test each Python of `installs` (version -> the future of its install) in turn, once installed;
-    version `once` runs the once-per-CI tests too. Returns (version, result) pairs, a result being None
+    version `once` runs the once-per-CI tests too, and the first Python of each JAX release of `every`
+    (all the installs) the once-per-JAX tests. Returns (version, result) pairs, a result being None
     when the install failed."""
     out = []
     for version, installed in installs.items():
@@ -154,7 +188,12 @@ def lane(installs: dict, args, once: str | None, live: bool) -> list:
             out.append((version, None))
             continue
         if not args.install_only:
-            out.append((version, run_tests(version, py, args.pytest_args, once=version == once, live=live)))
+            jax_once = first_of_its_jax(version, py, every or installs)
+            if not jax_once:
+                say(f"[ci] Python {version}: JAX {jax_version(py)}, as an earlier Python's: the once-per-JAX "
+                    "tests are skipped")
+            out.append((version, run_tests(version, py, args.pytest_args, once=version == once, live=live,
+                                           jax_once=jax_once)))
     lane_free = os.environ.get("NITRO_IPY_CI_LANE_FREE")
     if lane_free:  # `.ci/run` starts its benchmarks on the core this lane leaves idle
         Path(lane_free).touch()
@@ -189,8 +228,8 @@ def main(argv=None) -> int:
         else:
             rest = {v: installs[v] for v in versions[1:]}
             with concurrent.futures.ThreadPoolExecutor(max_workers=1) as second_lane:
-                later = second_lane.submit(lane, rest, args, once, False)
-                results = lane({versions[0]: installs[versions[0]]}, args, once, live=True)
+                later = second_lane.submit(lane, rest, args, once, False, installs)
+                results = lane({versions[0]: installs[versions[0]]}, args, once, live=True, every=installs)
                 results += later.result()
     totals = {}
     for version, result in sorted(results, key=lambda r: VERSIONS.index(r[0])):
