@@ -1272,18 +1272,10 @@ def test_a_trace_that_an_edit_s_eviction_crossed_evicts_again():
 # A recording resolves the globals a trace read when the trace ends. A cell that redefines a helper while a
 # background thread traces would have the old helper compiled and the new one recorded: a stale program
 # that says it is current (seen as a flaky epoch in CI: a warming under way across a `cache_reset()`).
-# `pause()` holds the named thread inside the trace while the test runs a cell.
-PAUSE = """
-import threading
-entered, go = threading.Event(), threading.Event()
-
-def pause():
-    if PAUSED and threading.current_thread().name.startswith(PAUSED) and not go.is_set():
-        entered.set()
-        go.wait(60)
-
+# The experiment whose traces a test holds: `{hold}()` runs in each trace of its forward.
+HELD_CASE = """
 def helper(r):
-    pause()
+    {hold}()
     return r ** 2
 
 @dataclasses.dataclass
@@ -1294,6 +1286,16 @@ class Case(Tiny):
     def loss(self, outputs, *, y):
         return jnp.mean((outputs - y) ** 2)
 """
+# `pause()` holds the named thread inside the trace while the test runs a cell.
+PAUSE = """
+import threading
+entered, go = threading.Event(), threading.Event()
+
+def pause():
+    if PAUSED and threading.current_thread().name.startswith(PAUSED) and not go.is_set():
+        entered.set()
+        go.wait(60)
+""" + HELD_CASE.format(hold="pause")
 HELPER_V2 = "def helper(r):\n    pause()\n    return r ** 2 + 0.5 * r\n"
 HELPER_V3 = "def helper(r):\n    pause()\n    return jnp.abs(r)\n"
 LOSS_EDIT = """
@@ -1360,19 +1362,7 @@ def slow():
     if threading.current_thread().name.startswith("nitro_ipy-ahead"):
         probe.traces.append(1)
         time.sleep(probe.seconds)  # the compile ahead begun at the edit's end is still tracing as the next cell starts
-
-def helper(r):
-    slow()
-    return r ** 2
-
-@dataclasses.dataclass
-class Case(Tiny):
-    def forward(self, params, *, x):
-        return jnp.tanh(helper(x @ params["w"])) @ params["v"]
-
-    def loss(self, outputs, *, y):
-        return jnp.mean((outputs - y) ** 2)
-"""
+""" + HELD_CASE.format(hold="slow")
 
 
 @pytest.mark.parametrize("edit", ["loss", "helper"])
@@ -1444,10 +1434,10 @@ def test_a_cell_start_waits_for_a_background_trace_but_not_a_speculative_one(spe
     worker.start()
     assert begun.wait(30)
     threading.Timer(0.2, release.set).start()  # the trace ends 0.2 s from now
-    waited = list(_world.waited)
+    waited = _world.waited[0]
     try:
         _world.cell_started(wait=30)
-        held = _world.waited[0] - waited[0]
+        held = _world.waited[0] - waited
     finally:
         _world.cell_ended()
         release.set()

@@ -10,9 +10,10 @@ program that says it is current. So the cell hooks mark when a cell's own statem
 do), and `trace_begun()` / `trace_ended(mark)`, around a trace, tell whether any may have run meanwhile.
 
 A cell that starts while a background trace runs waits for that trace first, at most `CELL_WAIT_S`
-(`trace_begun` / `trace_ended` count them; not a `speculative` one, trace reuse's warming): the cell run at once after an edit (`n = n.rebuild()`) would
-otherwise cross the trace compile ahead began at the edit's end, and have it dropped and done again in
-the foreground; the trace holds the GIL, so the cell would have run at half speed beside it anyway.
+(`trace_begun` / `trace_ended` count them; not a `speculative` one, trace reuse's warming): the cell run
+at once after an edit (`n = n.rebuild()`) would otherwise cross the trace compile ahead began at the
+edit's end, and have it dropped and done again in the foreground; the trace holds the GIL, so the cell
+would have run at half speed beside it anyway.
 """
 
 import contextlib
@@ -49,7 +50,7 @@ _background = [0]  # traces in threads other than the cell's, in flight (`trace_
 # takes 0.02-0.2 s for the models of benchmarks/; a longer one is crossed by the cell, and done again).
 CELL_WAIT_S = 0.5
 POLL_S = 0.005
-waited = [0, 0.0]  # cells that waited for a background trace, and the seconds they waited (for tests)
+waited = [0]  # cells that waited for a background trace (for tests)
 # Callables saying whether a background trace is about to start (`_ahead`: a job ready to go): the cell's
 # start waits for it too. Called without this module's lock.
 PENDING: list = []
@@ -58,15 +59,12 @@ PENDING: list = []
 def cell_started(wait: float | None = None) -> None:
     """A notebook cell starts (the extension's pre-cell hook): its statements may redefine anything. It
     first waits, at most `wait` s (`CELL_WAIT_S`), for the traces running in other threads to end."""
-    t0 = time.monotonic()
-    deadline, polls = t0 + (CELL_WAIT_S if wait is None else wait), 0
+    deadline, polls = time.monotonic() + (CELL_WAIT_S if wait is None else wait), 0
     while (_background[0] or any(about() for about in PENDING)) and time.monotonic() < deadline:
         polls += 1
         with _traced:  # woken as a trace ends; a job taken off a queue starts its trace within a poll
             _traced.wait(min(POLL_S, max(deadline - time.monotonic(), 0)))
-    if polls:
-        waited[0] += 1
-        waited[1] += time.monotonic() - t0
+    waited[0] += polls > 0
     with _lock:
         _cell[:] = [threading.get_ident(), 0]
         _moves[0] += 1

@@ -214,9 +214,9 @@ def _quiet_now() -> bool:
 
 
 def _about_to_trace() -> bool:
-    """`_world`: a job is ready to trace (a cell starting now waits for its trace, `_world.cell_started`)."""
+    """`_world`: a job taken is short of its XLA compile, or the next may start (a cell waits: `_world`)."""
     with _cv:
-        return bool(_queue) and _loops > _queue[0].after and _may_go(_queue[0])
+        return bool(_tracing) or _ready()
 
 
 _reuse.IDLE.append(_quiet_now)
