@@ -25,6 +25,7 @@ Usage:
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -90,10 +91,13 @@ print(json.dumps({"before": before, "after": after, "steps": n.step}))
 
 
 def data_side(kind: str, mib: int) -> dict:
-    path = os.path.join(tempfile.mkdtemp(prefix="bench_memory_"), "x.npy")
+    folder = tempfile.mkdtemp(prefix="bench_memory_")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "NITRO_IPY_AHEAD": "0"}
-    out = subprocess.run([sys.executable, "-c", DATA_CHILD, kind, str(mib), path], env=env, capture_output=True,
-                         text=True)
+    try:
+        out = subprocess.run([sys.executable, "-c", DATA_CHILD, kind, str(mib), os.path.join(folder, "x.npy")],
+                             env=env, capture_output=True, text=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     if out.returncode != 0:
         raise RuntimeError(f"the {kind} data run failed:\n{out.stderr[-4000:]}")
     got = json.loads(out.stdout.strip().splitlines()[-1])

@@ -22,11 +22,13 @@ Usage:
     python3 benchmarks/bench_models.py --json out.json
 """
 
+import atexit
 import dataclasses
 import importlib
 import io
 import os
 import pathlib
+import shutil
 import sys
 import tempfile
 import time
@@ -65,7 +67,8 @@ class CNN(nn.Module):
         return nn.Dense(10)(x)
 """
 
-_folder = pathlib.Path(tempfile.mkdtemp())
+_folder = pathlib.Path(tempfile.mkdtemp(prefix="bench_models_"))
+atexit.register(shutil.rmtree, _folder, ignore_errors=True)
 sys.path.insert(0, str(_folder))
 _edits = iter(range(1, 10**6))
 

@@ -3,6 +3,7 @@
 `tools/screenshots.py` (docs/images/tensorboard.png)."""
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -70,3 +71,4 @@ def tensorboard_shot(path: Path, width: int = 1000) -> dict:
     finally:
         server.terminate()
         server.wait(10)
+        shutil.rmtree(logdir.parent, ignore_errors=True)
