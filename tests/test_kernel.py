@@ -8,6 +8,7 @@ One kernel for the module. Cell files here are `.../ipykernel_PID/HASH.py`, not 
 import json
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -314,7 +315,7 @@ def test_an_unclicked_rebuild_button_ends_as_html_when_the_next_cell_runs(sessio
 
 WARMING_EXPERIMENT = textwrap.dedent(
     """
-    import dataclasses, sys, threading, time
+    import dataclasses, os, sys, threading, time
     import jax, jax.numpy as jnp, numpy as np
     from nitro_ipy import GraphConst, Nitro
     from nitro_ipy._compiler import _reuse
@@ -327,8 +328,9 @@ WARMING_EXPERIMENT = textwrap.dedent(
             return {"w": jax.random.normal(rng, (4, self.hidden)), "v": jnp.ones(self.hidden)}
 
         def forward(self, params, *, x):
-            if threading.current_thread().name == "nitro_ipy-warm":
-                time.sleep(0.5)  # the warming trace is still under way while the next cell prints
+            if threading.current_thread().name == "nitro_ipy-warm" and not os.path.exists(MARK):
+                open(MARK, "w").close()  # the test starts its next cell now
+                time.sleep(1.0)  # the first warming trace is still under way while that cell prints
             print("forward traced")
             return jnp.tanh(x @ params["w"]) @ params["v"]
 
@@ -350,11 +352,44 @@ for i in range(20):
 """
 
 
-def test_a_warming_beside_a_cell_drops_only_its_own_prints(kernel):
-    """Trace reuse's warming traces the gradient program again in a thread once training stopped, here
-    while a cell that prints runs: what the forward prints in the warming is dropped, every line of the
-    cell reaches that cell, and `sys.stdout` is the kernel's own stream again afterwards."""
-    assert _stream(kernel.run(WARMING_EXPERIMENT)).count("forward traced") == 1  # the gradient program
+def test_a_warming_beside_a_cell_drops_only_its_own_prints_and_is_made_again(kernel, tmp_path):
+    """Trace reuse's warming traces the gradient program again in a thread once training stopped and the
+    kernel is idle. A cell started during it prints every line of its own and none of the warming's;
+    the warming it crossed is dropped and made again once the cell ended, and kept then. `sys.stdout` is
+    the kernel's own stream again afterwards."""
+    kernel.run("%load_ext nitro_ipy")  # what users run: the cell crossing the warming is seen
+    mark = tmp_path / "warming"
+    before = "from nitro_ipy._compiler import _reuse\nstats0 = dict(_reuse.stats)\n"
+    assert _stream(kernel.run(before + f"MARK = {str(mark)!r}\n" + WARMING_EXPERIMENT)).count("forward traced") == 1
+    deadline = time.monotonic() + 60
+    while not mark.exists() and time.monotonic() < deadline:  # the warming started (the kernel idle)
+        time.sleep(0.01)
+    assert mark.exists()
     assert _stream(kernel.run(PRINTING_CELL)) == "".join(f"line {i}\n" for i in range(20))
-    assert kernel.value("[warming_seen, _reuse.wait(60), _reuse.stats['warmed'] >= 1]") == [True, True, True]
+    assert kernel.value("[warming_seen, _reuse.wait(60), _reuse.stats['redone'] - stats0['redone'] >= 1, "
+                        "[k[0] for k in _reuse._forwards].count('__main__.SlowTrace')]") == [True, True, True, 1]
+    assert kernel.value("[sys.stdout is stdout0, type(sys.stdout).__name__]") == [True, "OutStream"]
+
+
+def test_no_warming_starts_while_a_cell_s_own_statements_run(kernel):
+    """With the extension loaded, a warming waits for the cell that trained to end: a trace beside the
+    cell's own statements would be dropped (they may redefine what it reads)."""
+    kernel.run("%load_ext nitro_ipy")
+    kernel.run("import os\nMARK = os.devnull\n" + WARMING_EXPERIMENT)  # a warming that does not wait
+    assert kernel.value("_reuse.wait(60)") is True
+    assert _stream(kernel.run(textwrap.dedent(
+        """
+        warmed0 = _reuse.stats["warmed"]
+        other = Nitro(SlowTrace(hidden=6), data={"train": {"x": xs, "y": xs.sum(1)}}, batch_size=16,
+                      progress=False)
+        other.train()
+        warming_seen, t0 = False, time.monotonic()
+        while time.monotonic() - t0 < 1.0:  # four times the quiet time after training
+            warming_seen = warming_seen or bool(_reuse._running)
+            time.sleep(0.01)
+        """
+    ))).count("forward traced") == 1
+    assert kernel.value("[warming_seen, _reuse.wait(60), _reuse.stats['warmed'] - warmed0]") == [False, True, 1]
+
+
     assert kernel.value("[sys.stdout is stdout0, type(sys.stdout).__name__]") == [True, "OutStream"]

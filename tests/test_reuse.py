@@ -160,10 +160,10 @@ def test_a_loss_edit_traces_through_the_forward_s_cached_trace_and_computes_the_
     edits = (_cell(EDITED_LOSS), _cell("jnp.mean((outputs - y) ** 4)"))
     n = _scenario(ip, *edits)
     # both rebuilt gradient programs traced through the forward warmed by the first one
-    assert _stats() == {"warmed": 0, "reused": 2, "discarded": 0, "retraced": 0}
+    assert _stats() == {"warmed": 0, "reused": 2, "discarded": 0, "retraced": 0, "redone": 0}
     _before.update(_reuse.stats)
     _same(n, _plainly(ip, *edits))
-    assert _stats() == {"warmed": 0, "reused": 0, "discarded": 0, "retraced": 0}  # off: nothing at all
+    assert _stats() == {"warmed": 0, "reused": 0, "discarded": 0, "retraced": 0, "redone": 0}  # off: nothing at all
 
 
 def test_the_reused_program_still_depends_on_the_forward_s_helpers(ip, capsys):
@@ -190,7 +190,7 @@ def test_an_edit_below_the_forward_is_never_served_the_old_trace(ip, edit):
     forward warmed on the new code), train exactly what plain traces of the same edits train."""
     edits = (_cell(EDITED_LOSS), edit, _cell("jnp.mean((outputs - y) ** 4)"))
     n = _scenario(ip, *edits)
-    assert _stats() == {"warmed": 1, "reused": 2, "discarded": 1, "retraced": 0}
+    assert _stats() == {"warmed": 1, "reused": 2, "discarded": 1, "retraced": 0, "redone": 0}
     _same(n, _plainly(ip, *edits))
 
 
@@ -207,11 +207,11 @@ def on_demand():
 def test_a_graphconst_change_or_a_forward_edit_traces_plainly(ip, on_demand):
     _run(ip, "n2 = Nitro(Reuse(hidden=5), data=data, batch_size=16, progress=False)\nn2.train()")
     assert _reuse.wait(60)
-    assert _stats() == {"warmed": 1, "reused": 0, "discarded": 0, "retraced": 0}  # another key: its own
+    assert _stats() == {"warmed": 1, "reused": 0, "discarded": 0, "retraced": 0, "redone": 0}  # another key: its own
     _run(ip, _cell(BASE_LOSS).replace("return block(params, x)", "return block(params, x) * 2.0"))
     _run(ip, "n = n.rebuild()\nn.train()")
     assert _reuse.wait(60)
-    assert _stats() == {"warmed": 2, "reused": 0, "discarded": 0, "retraced": 0}
+    assert _stats() == {"warmed": 2, "reused": 0, "discarded": 0, "retraced": 0, "redone": 0}
 
 
 def test_the_warming_runs_once_training_stopped_and_prints_nothing(ip, capsys, on_demand):

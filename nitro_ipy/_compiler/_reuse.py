@@ -10,9 +10,11 @@ of 200 ms. XLA inlines the call, so the compiled program computes the same maths
 The inner call makes its *first* trace about twice as long as a plain one: JAX derives a traced jaxpr
 instead of tracing the Python once. So no program pays that on its critical path:
 - A gradient program with no usable `Forward` traces its forward plainly, and queues a *warming*: when
-  the process is idle (no training for `QUIET_S`, no compile anywhere), a background thread
-  traces the same program again through a new `Forward` (`schedule`). That is the user's reading time
-  after a compile; an edit of the forward itself then costs nothing beside its own compile.
+  the process is idle (no training for `QUIET_S`, no compile anywhere, no cell's own statements running),
+  a background thread traces the same program again through a new `Forward` (`schedule`). That is the
+  user's reading time after a compile; an edit of the forward itself then costs nothing beside its own
+  compile. A cell that starts while a warming traces drops it (what the trace read may be the cell's
+  doing); the warming is made again, from scratch, once idle (`RETRIES` times at most).
 - The next gradient program whose forward is keyed alike takes it (`forward_key`: owner, forward hook
   fingerprint, GraphConst values, Host names, static leaves, batch inputs, reserved parameters). It needs
   two more things: the forward's own recorded closure has not moved (an edited helper below the forward
@@ -49,8 +51,9 @@ ENV = "NITRO_IPY_TRACE_REUSE"
 _enabled = os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 _forwards = _memo.Memo("reuse.forwards", 32)  # forward_key -> a warmed, checked `Forward`
 # What trace reuse did in this process: `warmed` Forwards made in idle time, `reused` programs that traced
-# through one, `discarded` ones found stale, `retraced` calls JAX had no trace for any more.
-stats = {"warmed": 0, "reused": 0, "discarded": 0, "retraced": 0}
+# through one, `discarded` ones found stale, `retraced` calls JAX had no trace for any more, `redone`
+# warmings a cell crossed, queued again.
+stats = {"warmed": 0, "reused": 0, "discarded": 0, "retraced": 0, "redone": 0}
 
 
 def set_trace_reuse(enabled: bool) -> bool:
@@ -150,10 +153,15 @@ class Forward:
         return closure is not None and not closure.superseded and not closure.drift({})
 
 
-def warm(key, forward: Forward, program, args) -> bool:
-    """Trace `program` (the gradient program, calling through `forward`) for `args`, so that JAX caches
-    the forward's trace and derivative; then keep `forward` for the next program keyed `key`. Returns
-    whether `forward` was kept: not when a cell started or ended while it traced (`_world.trace_ended`)."""
+KEPT, CROSSED, DROPPED = "kept", "crossed", "dropped"
+
+
+def warm(key, make, args) -> str:
+    """Trace the gradient program `make()` gives (with the `Forward` it calls through) for `args`, so that
+    JAX caches the forward's trace and derivative; then keep that `Forward` for the next program keyed
+    `key`. Returns `KEPT`; `CROSSED` when only a cell starting or ending while it traced dropped it (the
+    code it traced has not moved since: worth another try); else `DROPPED`."""
+    forward, program = make()
     with _world.speculative():  # a cell starting meanwhile does not wait for it (it drops it)
         evictions, generation, mark = _cache.evictions(), _cache.generation(), _world.trace_begun()
         try:
@@ -161,21 +169,25 @@ def warm(key, forward: Forward, program, args) -> bool:
                 jax_jit(program).trace(*args)
             forward.finish()
         except Exception:  # an optimisation only: the next build traces plainly and warms again
-            return False
+            return DROPPED
         finally:
             settled = _world.trace_ended(mark)
-    if _cache.evictions() != evictions or not settled:
+    edited = _cache.evictions() != evictions
+    if edited or not settled:
         # An edit's scan ran meanwhile, or a cell did (its recording may name code the trace did not
         # run): what this trace cached of the user's inner functions may be the old code's.
         _cache.evict_user_traces()
-        return False
     if _cache.generation() != generation:  # `cache_reset()` since: it forgets, this too
-        return False
+        return DROPPED
     if not forward.fresh():  # the code moved while it traced
-        return False
+        return DROPPED
+    if edited:
+        return DROPPED
+    if not settled:
+        return CROSSED
     _forwards[key] = forward
     stats["warmed"] += 1
-    return True
+    return KEPT
 
 
 # ---------------------------------------------------------------- warming when idle
@@ -185,21 +197,23 @@ IDLE: list = []
 WHILE_TRACING: list = []  # context managers around a warming trace: `_compile.gc_paused`
 NICE = 10  # the warming thread's niceness (Linux), as the compile-ahead workers'
 QUIET_S = 0.25  # and no handle trained for this long (`training`): the user's next cell comes first
-_training = [0, 0.0]  # train() calls running, `time.monotonic()` when the last one ended
+RETRIES = 3  # warmings of one key that cells crossed, made again (a cell may start during each)
+_training = [0, 0.0]  # train() calls running (`_calls`), `time.monotonic()` when the last one ended
+_calls: set = set()  # a token per train() call running (`training_began`)
 _cv = threading.Condition()
-_due: collections.OrderedDict = collections.OrderedDict()  # key -> (Forward, program, abstract args)
+_due: collections.OrderedDict = collections.OrderedDict()  # key -> (make, abstract args, tries)
 _running: list = []  # the key being warmed, while one is
 _thread: list = []
 _exiting: list = []  # non-empty once the interpreter exits: nothing more is queued
 
 
-def schedule(key, forward: Forward, program, args) -> None:
-    """Queue the warming of `forward` for `key` (once per key), to run when the process is idle. The
-    arguments are kept as shapes only."""
+def schedule(key, make, args) -> None:
+    """Queue the warming for `key` (once per key), to run when the process is idle: `make()` gives a new
+    `(Forward, gradient program calling through it)` for each try. The arguments are kept as shapes only."""
     with _cv:
         if key in _due or key in _running or _exiting:
             return
-        _due[key] = (forward, program, _cache.shapes_of(args))
+        _due[key] = (make, _cache.shapes_of(args), 0)
         if not (_thread and _thread[0].is_alive()):
             _thread[:] = [threading.Thread(target=_work, name="nitro_ipy-warm", daemon=True)]
             _thread[0].start()
@@ -212,8 +226,9 @@ def pending(key) -> bool:
 
 
 def wait(timeout: float | None = None) -> bool:
-    """Wait until no warming is due or running (tests, benchmarks); False on timeout."""
-    with _cv:
+    """Wait until no warming is due or running (tests, benchmarks); False on timeout. A cell waiting here
+    runs none of its statements meanwhile, so a warming may start and be kept."""
+    with _world.inside_nitro(), _cv:
         return _cv.wait_for(lambda: not _due and not _running, timeout)
 
 
@@ -238,24 +253,30 @@ def _at_exit() -> None:
     wait(EXIT_WAIT_S)
 
 
-@contextlib.contextmanager
-def training():
-    """Around a handle's training (its epochs and validations, in any thread): no warming starts then."""
+def training_began() -> object:
+    """A handle's training starts (its epochs and validations, in any thread): no warming starts until
+    `training_ended` with the token this returns, and `QUIET_S` after."""
+    token = object()
     with _cv:
-        _training[0] += 1
-    try:
-        with _world.inside_nitro():  # a trace beside it meets no statement of the cell (`_world.trace_ended`)
-            yield
-    finally:
-        with _cv:
-            _training[0] -= 1
-            _training[1] = time.monotonic()
+        _calls.add(token)
+        _training[0] = len(_calls)
+    return token
+
+
+def training_ended(token) -> None:
+    """The training `token` stands for ended. Idempotent: a caller ends it on its normal path and again on
+    its way out after a Ctrl-C that landed in the first call (held from then on), so that the count
+    never outlives the call and warmings go on."""
+    with _cv:
+        if token in _calls:
+            _calls.discard(token)
+            _training[:] = [len(_calls), time.monotonic()]
             _cv.notify_all()
 
 
 def _idle() -> bool:
-    if _training[0] or time.monotonic() - _training[1] < QUIET_S:
-        return False
+    if _training[0] or time.monotonic() - _training[1] < QUIET_S or _world.cell_busy():
+        return False  # a trace beside a cell's own statements would be dropped (`warm`)
     return all(ok() for ok in IDLE)
 
 
@@ -268,18 +289,22 @@ def _work() -> None:
         with _cv:
             while not (_due and _idle()):
                 _cv.wait(0.05 if _due else None)
-            key, (forward, program, args) = _due.popitem(last=False)
+            key, (make, args, tries) = _due.popitem(last=False)
             _running.append(key)
+        outcome = DROPPED
         try:
             with contextlib.ExitStack() as stack:
                 for context in WHILE_TRACING:
                     stack.enter_context(context())
-                warm(key, forward, program, args)
+                outcome = warm(key, make, args)
         except BaseException:  # noqa: BLE001 - the thread outlives anything one warming does
             pass
         finally:
             with _cv:
                 _running.clear()
+                if outcome == CROSSED and tries < RETRIES and not _exiting and key not in _due:
+                    _due[key] = (make, args, tries + 1)  # from scratch: a new Forward, a new trace
+                    stats["redone"] += 1
                 _cv.notify_all()
 
 

@@ -284,10 +284,14 @@ def _build_grad(b, model, accum, hook, *, inputs, targets):
     gradient = make_gradient(b.view, b.forward, b.loss, inputs, targets, model, accum, owner, reuse=found)
     if found is None and key is not None and not _reuse.pending(key):
         # What the warmed forward keeps (past this handle) holds no binding: its splits hold the data.
-        forward = _reuse.Forward(make_training_forward(b.viewer, b.forward, model, owner), b.forward)
-        program = make_gradient(b.view, b.forward, b.loss, inputs, targets, model, accum, owner, reuse=forward,
-                                warming=True)
-        gradient.warm = lambda args: _reuse.schedule(key, forward, program, args)
+        viewer, view, hook, loss = b.viewer, b.view, b.forward, b.loss
+
+        def make():  # each try of the warming: a new Forward, and a program calling through it
+            forward = _reuse.Forward(make_training_forward(viewer, hook, model, owner), hook)
+            return forward, make_gradient(view, hook, loss, inputs, targets, model, accum, owner, reuse=forward,
+                                          warming=True)
+
+        gradient.warm = lambda args: _reuse.schedule(key, make, args)
     return gradient
 
 
