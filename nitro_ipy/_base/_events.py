@@ -23,7 +23,9 @@ EVENTS = {
     "counting": "(): the cache's counters are about to be read (`nitro_ipy.jit` adds the hits it counted)",
     "awaiting": "(): a thread waits for a key another thread is compiling",
     "xla_start": "(): a build's trace is done and its XLA compile starts (no GIL held from here)",
-    "stepping": "(running: bool): a step loop passed its first step (True), or that loop ended (False)",
+    "stepping": "(running: bool, thread: int): a step loop in `thread` passed its first step (True), or that loop "
+                "ended (False)",
+    "steps_over": "(): this thread's step loop is over (its epoch ended; told again if `stepping` was cut)",
     "progress": "(): a training handle reached a periodic sync point (about every 0.25 s, never per step)",
     "run": "(run): a background run (`Run`) started or ended (`run.done` tells which)",
     "temp_written": "(path): a file's temp copy is written and synced, not yet renamed into place (`_writes`)",

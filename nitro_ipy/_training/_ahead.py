@@ -117,8 +117,7 @@ _recipes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # handle ->
 _born: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # handle -> its place in creation order
 _births = itertools.count()
 _successors: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # handle -> weak ref to its rebuild
-# handle -> {key of a program it runs: the key of the replacement planned for it}: what a newer edit that
-# moves that program again cancels
+# handle -> {key of a program it runs: the replacement's key}: what a newer edit moving it again cancels
 _planned: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _mark = None  # `_cache.moved_since`'s mark at the last `after_edit`: poisonings after it are the new edit's
 _cv = threading.Condition()
@@ -140,24 +139,28 @@ _loops = 0  # step loops started (`stepping`) and foreground XLA compiles: a pre
 # thread of compile work beside it slows it 1.8x (a trace also takes the GIL). A rebuild waiting for the
 # program lets it go on at once; a compile already in XLA when a loop starts runs to its end.
 QUIET_S = 0.25
-_running = 0  # step loops past their first step, not ended yet
+_running: dict = {}  # thread ident -> step loops past their first step in that thread, not ended yet
 _last_loop = 0.0  # `time.monotonic()` when a step loop last started or ended
 
 
-def stepping(running: bool) -> None:
-    """`_pipeline`: a step loop passed its first step (True), or that loop ended (False)."""
-    global _running, _last_loop, _loops
+def stepping(running: bool | None, thread: int | None = None) -> None:
+    """`_pipeline`: a step loop in `thread` (default: this one) passed its first step (True), or ended
+    (False); None (`steps_over`, at its epoch's end with Ctrl-C held): every step loop of this thread is
+    over. A Ctrl-C in the batch stream's end can skip its False: compile ahead would wait for life."""
+    global _last_loop, _loops
+    me = threading.get_ident() if thread is None else thread
     with _cv:
-        _running += 1 if running else -1
+        left = 0 if running is None else _running.get(me, 0) + (1 if running else -1)
+        _running.update({me: left}) if left > 0 else _running.pop(me, None)
         _last_loop = time.monotonic()
-        _loops += running
+        _loops += bool(running)
         _cv.notify_all()
 
 
 def _held_back() -> float:
     """Seconds a compile ahead after an edit still waits for: while a step loop runs and for `QUIET_S`
     after the last one ended (0: it may go on). Under `_cv`."""
-    if _running > 0:
+    if _running:
         return QUIET_S
     return max(0.0, _last_loop + QUIET_S - time.monotonic())
 
@@ -205,6 +208,7 @@ def _awaiting() -> None:
 _events.subscribe("xla_start", _xla_started)
 _events.subscribe("awaiting", _awaiting)
 _events.subscribe("stepping", stepping)
+_events.subscribe("steps_over", lambda: stepping(None))
 
 
 def _quiet_now() -> bool:
@@ -588,15 +592,11 @@ def _at_exit() -> None:
 def status() -> str:
     """One line on the work due, for `%nitro_ahead`: '' when there is none."""
     with _cv:
-        kinds = [j.key.kind for j in _busy.values()] + [j.key.kind for j in _queue]
-        held = any(not _may_go(j) for j in [*_busy.values(), *_queue])
-    if not kinds:
-        return ""
-    line = f"{len(kinds)} program{'s' if len(kinds) != 1 else ''} due ({', '.join(kinds)})"
-    if held:
-        line += (", held back while a step loop runs: they compile once it ends, or at once for a rebuild"
-                 " that needs them")
-    return line + "."
+        jobs = [*_busy.values(), *_queue]
+        kinds, held = [j.key.kind for j in jobs], any(not _may_go(j) for j in jobs)
+    line = f"{len(kinds)} program{'s' if len(kinds) != 1 else ''} due ({', '.join(kinds)})" if kinds else ""
+    return line and line + (", held back while a step loop runs: they compile once it ends, or at once for a"
+                            " rebuild that needs them." if held else ".")
 
 
 def history() -> list[Outcome]:

@@ -463,11 +463,16 @@ class Nitro:
             self.step, self.epoch, self.experiment, extra, guard_read=_guard.origin_and_losses,
             schedules=b.apply_schedules if b.schedules else None)
         err = None
+        training = _reuse.training_began()  # no trace-reuse warming while this trains
         try:
-            with _reuse.training():  # no trace-reuse warming while this trains
-                rows = self._epochs(control, split, fields, epochs, progress)
+            try:
+                with _world.inside_nitro():  # a trace beside it meets no statement of the cell
+                    rows = self._epochs(control, split, fields, epochs, progress)
+            finally:
+                _reuse.training_ended(training)
         except BaseException as e:
             err = e
+            _reuse.training_ended(training)  # again: a Ctrl-C at the first one skipped it (held from then on)
             if progress is not None:
                 progress.close(err)
             raise

@@ -316,11 +316,16 @@ def train_epoch(s: StepState, resolve, split: dict, fields, steps: int, gate: In
         try:
             close_epoch(s, start, step0, total, n_loss, settled and seen, reused, grad, opt, pairs)
         finally:
-            gate.defer = False
-            # The batch stream ends here, not when the frame is collected: an interrupt's traceback
-            # (kept by a stopped background run) holds this frame, and the stream's end is what tells
-            # compile ahead that the step loop stopped (`_pipeline._stepping`).
-            drawn.close()
+            try:
+                # The batch stream ends here, not when the frame is collected: an interrupt's traceback
+                # (kept by a stopped background run) holds this frame, and the stream's end is what tells
+                # compile ahead that the step loop stopped (`_pipeline._stepping`). With Ctrl-C still
+                # held: one landing in the stream's end would leave compile ahead waiting for a step loop
+                # that is over (for the process's life).
+                drawn.close()
+                _events.publish("steps_over")
+            finally:
+                gate.defer = False
     # Every step taken: the cursor stays at the epoch's end until the caller counts the epoch, so a
     # Ctrl-C landing in between leaves an epoch the next call counts, never one it replays.
     return mean_loss(total + seen[0], n_loss + seen[1]), _guard.bad_steps(guard)

@@ -28,6 +28,7 @@ edit waits while any step loop runs.
 """
 
 import functools
+import threading
 
 import jax
 import numpy as np
@@ -73,16 +74,16 @@ def run_ahead(batch: dict) -> int:
 def _stepping(batches):
     """`batches`, telling `_ahead` that a step loop runs from its second batch (the first step and its
     compiles are done) to the end."""
-    stepping = False
+    stepping = None  # the loop's thread, once it passed its first step (the end may come in another)
     try:
         for i, batch in enumerate(batches):
             if i == 1:
-                _events.publish("stepping", True)
-                stepping = True
+                stepping = threading.get_ident()
+                _events.publish("stepping", True, stepping)
             yield batch
     finally:
-        if stepping:
-            _events.publish("stepping", False)
+        if stepping is not None:
+            _events.publish("stepping", False, stepping)
         close = getattr(batches, "close", None)
         if close is not None:
             close()
