@@ -187,7 +187,7 @@ def test_after_a_restart_the_metrics_load_in_the_background_after_the_evaluation
         messages.clear()
         waited = []
 
-        def first_step_waits(running):  # the first step is done: let the background finish before step 2
+        def first_step_waits(running, thread):  # the first step is done: let the background finish before step 2
             if running and not waited:
                 waited.append(_ahead.wait(60))
 
