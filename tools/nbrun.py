@@ -67,6 +67,13 @@ def execute_notebook(path: str, timeout: int = 600):
             client.execute()
         except CellExecutionError as err:
             return nb, err
+        finally:
+            # nbclient shuts down only a kernel manager it made: this one's kernel would live until the
+            # process exits, and leave its connection file behind
+            if client.kc is not None:
+                client.kc.stop_channels()
+            if km.has_kernel:
+                km.shutdown_kernel(now=True)
     return nb, None
 
 
