@@ -232,4 +232,4 @@ def test_the_warming_runs_once_training_stopped_and_prints_nothing(ip, capsys, o
     assert _stats()["warmed"] == 1
     traces = ip.user_ns["TRACES"]
     assert [name for name, _ in traces] == ["MainThread", "MainThread", "nitro_ipy-warm"]
-    assert traces[2][1] >= _reuse._training[1] + _reuse.QUIET_S  # after train() returned, and quiet
+    assert traces[2][1] >= _reuse._trained[0] + _reuse.QUIET_S  # after train() returned, and quiet

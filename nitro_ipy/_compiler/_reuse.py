@@ -177,13 +177,10 @@ def warm(key, make, args) -> str:
         # An edit's scan ran meanwhile, or a cell did (its recording may name code the trace did not
         # run): what this trace cached of the user's inner functions may be the old code's.
         _cache.evict_user_traces()
-    if _cache.generation() != generation:  # `cache_reset()` since: it forgets, this too
+    # `cache_reset()` since (it forgets, this too), or the code moved while it traced, or an edit's scan ran
+    if _cache.generation() != generation or not forward.fresh() or edited:
         return DROPPED
-    if not forward.fresh():  # the code moved while it traced
-        return DROPPED
-    if edited:
-        return DROPPED
-    if not settled:
+    if not settled:  # only a cell crossed it
         return CROSSED
     _forwards[key] = forward
     stats["warmed"] += 1
@@ -196,10 +193,10 @@ def warm(key, make, args) -> str:
 IDLE: list = []
 WHILE_TRACING: list = []  # context managers around a warming trace: `_compile.gc_paused`
 NICE = 10  # the warming thread's niceness (Linux), as the compile-ahead workers'
-QUIET_S = 0.25  # and no handle trained for this long (`training`): the user's next cell comes first
+QUIET_S = 0.25  # and no handle trained for this long (`training_ended`): the user's next cell comes first
 RETRIES = 3  # warmings of one key that cells crossed, made again (a cell may start during each)
-_training = [0, 0.0]  # train() calls running (`_calls`), `time.monotonic()` when the last one ended
 _calls: set = set()  # a token per train() call running (`training_began`)
+_trained = [0.0]  # `time.monotonic()` when the last train() call ended
 _cv = threading.Condition()
 _due: collections.OrderedDict = collections.OrderedDict()  # key -> (make, abstract args, tries)
 _running: list = []  # the key being warmed, while one is
@@ -259,7 +256,6 @@ def training_began() -> object:
     token = object()
     with _cv:
         _calls.add(token)
-        _training[0] = len(_calls)
     return token
 
 
@@ -270,12 +266,12 @@ def training_ended(token) -> None:
     with _cv:
         if token in _calls:
             _calls.discard(token)
-            _training[:] = [len(_calls), time.monotonic()]
+            _trained[0] = time.monotonic()
             _cv.notify_all()
 
 
 def _idle() -> bool:
-    if _training[0] or time.monotonic() - _training[1] < QUIET_S or _world.cell_busy():
+    if _calls or time.monotonic() - _trained[0] < QUIET_S or _world.cell_busy():
         return False  # a trace beside a cell's own statements would be dropped (`warm`)
     return all(ok() for ok in IDLE)
 
@@ -302,7 +298,7 @@ def _work() -> None:
         finally:
             with _cv:
                 _running.clear()
-                if outcome == CROSSED and tries < RETRIES and not _exiting and key not in _due:
+                if outcome == CROSSED and tries < RETRIES and not _exiting:  # (`schedule` skips a running key)
                     _due[key] = (make, args, tries + 1)  # from scratch: a new Forward, a new trace
                     stats["redone"] += 1
                 _cv.notify_all()

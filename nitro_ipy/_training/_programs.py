@@ -284,12 +284,12 @@ def _build_grad(b, model, accum, hook, *, inputs, targets):
     gradient = make_gradient(b.view, b.forward, b.loss, inputs, targets, model, accum, owner, reuse=found)
     if found is None and key is not None and not _reuse.pending(key):
         # What the warmed forward keeps (past this handle) holds no binding: its splits hold the data.
-        viewer, view, hook, loss = b.viewer, b.view, b.forward, b.loss
+        viewer, view, forward_hook, loss = b.viewer, b.view, b.forward, b.loss
 
         def make():  # each try of the warming: a new Forward, and a program calling through it
-            forward = _reuse.Forward(make_training_forward(viewer, hook, model, owner), hook)
-            return forward, make_gradient(view, hook, loss, inputs, targets, model, accum, owner, reuse=forward,
-                                          warming=True)
+            forward = _reuse.Forward(make_training_forward(viewer, forward_hook, model, owner), forward_hook)
+            return forward, make_gradient(view, forward_hook, loss, inputs, targets, model, accum, owner,
+                                          reuse=forward, warming=True)
 
         gradient.warm = lambda args: _reuse.schedule(key, make, args)
     return gradient
