@@ -135,7 +135,7 @@ def probe_loop(cells):
         g_out = grad.call(n._params, None, n._dev, {k: v[: cfg["batch"]] for k, v in data.items()}, None)
         real = grad.call, opt.call
         grad.call = lambda p, st, d, b, r: g_out  # (flat grads, loss, model state)
-        opt.call = lambda p, g, s, d, loss, guard: (p, s, guard)
+        opt.call = lambda p, g, s, d, loss, guard, st, new: (p, s, guard, new)
         try:
             r_n = best(lambda: n.train(), CFG["loop_reps"], 1)
         finally:
@@ -179,7 +179,7 @@ def probe_dispatch(cells):
         def nit(batch, g, o):
             def f():
                 fg, loss, _ = g(nst[0], None, dev, batch, None)
-                nst[0], nst[1], guard[0] = o(nst[0], fg, nst[1], dev, loss, guard[0])
+                nst[0], nst[1], guard[0], _ = o(nst[0], fg, nst[1], dev, loss, guard[0], None, None)
             return f
 
         fg0, loss0, _ = G(nst[0], None, dev, xd, None)
@@ -292,7 +292,7 @@ def probe_optflags(cells):
     # The optimizer program as the handle runs it: with the step's loss and the non-finite guard.
     loss = jnp.zeros((), jnp.float32)
     guard = _guard.fresh(_guard.n_parts(layout, n._model.split.trainable(params), dev))
-    lowered = jax.jit(fn, donate_argnums=(0, 2)).lower(params, flat, state, dev, loss, guard)
+    lowered = jax.jit(fn, donate_argnums=(0, 2)).lower(params, flat, state, dev, loss, guard, None, None)
     for name, opts in OPT_FLAGS.items():
         if CFG["optflags"] is not None and name not in CFG["optflags"]:
             continue
@@ -322,7 +322,7 @@ def probe_optflags(cells):
         c, st = progs[k], states[k]
         if k != tree:
             def f():
-                st[0], st[1], _ = c(st[0], flat, st[1], dev, loss, guard)
+                st[0], st[1], *_ = c(st[0], flat, st[1], dev, loss, guard, None, None)
         else:
             def f():
                 st[0], st[1] = c(st[0], grads_tree, st[1])
@@ -431,22 +431,22 @@ def probe_guard(cells):
             updates, new_state = tx.update(flat_grads, opt_state, layout.ravel(trainable))
             return split.with_trainable(params, optax.apply_updates(trainable, layout.unravel(updates))), new_state
 
-        def unguarded(params, flat_grads, opt_state, dev, loss, guard):
-            return (*step(params, flat_grads, opt_state, dev), guard)
+        def unguarded(params, flat_grads, opt_state, dev, loss, guard, model_state, new_model_state):
+            return (*step(params, flat_grads, opt_state, dev), guard, new_model_state)
 
-        def masked(params, flat_grads, opt_state, dev, loss, guard):
+        def masked(params, flat_grads, opt_state, dev, loss, guard, model_state, new_model_state):
             apply, guard = _guard.decide(guard, _guard.parts(loss, flat_grads, dev), True)
             tx = b.optimizer(b.view(dev))
             trainable = split.trainable(params)
             updates, new_state = tx.update(flat_grads, opt_state, layout.ravel(trainable))
             updates = jax.tree.map(lambda u: jnp.where(apply, u, jnp.zeros_like(u)), updates)
             new_params = split.with_trainable(params, optax.apply_updates(trainable, layout.unravel(updates)))
-            return new_params, _guard.select(apply, new_state, opt_state), guard
+            return new_params, _guard.select(apply, new_state, opt_state), guard, new_model_state
 
         batch = {k: v[: cfg["batch"]] for k, v in data.items()}
         flat, loss, _ = ent["grad"].call(n._params, None, n._dev, batch, None)
         guard = _guard.fresh(_guard.n_parts(layout, split.trainable(n._params), n._dev))
-        args = (n._params, flat, n._opt_state, n._dev, loss, guard)
+        args = (n._params, flat, n._opt_state, n._dev, loss, guard, None, None)
         res, progs = {}, {}
         for name, fn in (("guard (cond), as built", built), ("no guard", unguarded), ("masked updates", masked)):
             low = jax.jit(fn, donate_argnums=(0, 2, 5)).lower(*args)
@@ -458,7 +458,7 @@ def probe_guard(cells):
                 st = [jax.tree.map(jnp.copy, n._params), jax.tree.map(jnp.copy, n._opt_state), jnp.asarray(guard)]
 
                 def f(c=c, st=st):
-                    st[0], st[1], st[2] = c(st[0], flat, st[1], n._dev, loss, st[2])
+                    st[0], st[1], st[2], _ = c(st[0], flat, st[1], n._dev, loss, st[2], None, None)
                 res[name].update(best(f, CFG["dispatch_rounds"] * 3, CFG["dispatch_inner"]["tiny"] * 3,
                                       lambda st=st: jax.block_until_ready(st)))
         for name, r in res.items():
@@ -687,7 +687,7 @@ def flat_step(n, ent, batch, fp, inner: int) -> tuple:
 
     def nitro_step():
         fg, loss, _ = G(nst[0], None, dev, batch, None)
-        nst[0], nst[1], nst[2] = O(nst[0], fg, nst[1], dev, loss, nst[2])
+        nst[0], nst[1], nst[2], _ = O(nst[0], fg, nst[1], dev, loss, nst[2], None, None)
 
     layout, tx = n._layout, optax.adam(1e-3)
     loss_of, _ = mlp_loss(DEEP["in_dim"], DEEP["width"], DEEP["depth"], DEEP["batch"])

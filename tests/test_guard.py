@@ -187,6 +187,27 @@ def test_a_bad_step_keeps_the_model_state_it_came_with(mode):
     assert np.isfinite(n.validate()["loss"])
 
 
+@pytest.mark.parametrize("per_execution", [1, 3])
+def test_a_halting_bad_step_mid_epoch_keeps_params_and_state_of_one_step(per_execution):
+    """With `"raise"` the steps dispatched after a bad one (before the loop's check) apply nothing, to the
+    parameters or to the model state: the handle ends with both as they were after the last finite step,
+    whatever got dispatched meanwhile (K steps a call too)."""
+    clean = _data(80)
+    dirty = {k: v.copy() for k, v in clean.items()}
+    dirty["x"][row_of_step(80, 4), 2] = np.nan
+    ref_params, ref_state = params_after(Normed(), clean, 3)
+    n = Nitro(Normed(), data={"train": dirty, "valid": clean}, batch_size=BS, progress=False,
+              steps_per_execution=per_execution)
+    with pytest.raises(nitro_ipy.NonFiniteLossError, match=r"at step 4 \(epoch 1\)"):
+        n.train()
+    assert n.step == 3 and int(n.state["seen"]) == 3
+    assert_tree_equal(n.params, ref_params)
+    if per_execution == 1:
+        assert_tree_equal(n.state, ref_state)
+    else:  # steps 2 and 3 ran in the K-step program, whose fusion may round the running mean differently
+        np.testing.assert_allclose(n.state["mean"], ref_state["mean"], rtol=1e-6, atol=1e-8)
+
+
 def test_skipping_a_bad_step_mid_epoch_keeps_the_state_finite():
     dirty = _data(80)
     dirty["x"][row_of_step(80, 4), 0] = np.inf

@@ -153,13 +153,15 @@ def test_the_step_keys_are_derived_on_the_device_bit_for_bit():
             before = [np.asarray(jax.random.fold_in(jax.random.PRNGKey(np.uint32(seed)), np.uint32((start + i) % 2**32)))
                       for i in range(3)]
             np.testing.assert_array_equal(host_step_keys(seed, start, 3, None), before)
-            # the gradient program's key: from the guard's seed, origin and step count, on the device
-            for i in range(3):
-                guard = _guard.fresh(1, seed, start)
-                guard[_guard.STEPS] = i
+            # the gradient program's key: a fresh guard holds its first step's keys (from the host), and
+            # the optimizer program's `decide` derives each next step's on the device, whatever the step
+            # did (a bad step advances the keys too)
+            guard = jnp.asarray(_guard.fresh(1, seed, start))
+            for i, loss in enumerate((1.0, np.nan, 2.0)):
                 for m in (0, 5):
                     np.testing.assert_array_equal(jax.jit(_guard.step_rng)(guard, m), want[2 * i + (m == 5)])
                 np.testing.assert_array_equal(jax.jit(_guard.step_rng)(guard), before[i])
+                guard = jax.jit(_guard.decide, static_argnums=2)(guard, [jnp.float32(loss)], True)[1]
     # a handle without micro-batches takes the step's key, over epochs (a fresh guard each)
     seen = []
 

@@ -364,8 +364,8 @@ class Sharded:
         (evaluation and predict outputs, which follow the batch).
 
         `grad` returns `(flat grads, loss, new model state)`; `opt` takes `(params, grads, opt_state,
-        dev, loss, guard)` and returns `(params, opt_state, guard)`. `model` (`_model.Model`) says which
-        params leaves the gradients are of (the trainable ones)."""
+        dev, loss, guard, state, new state)` and returns `(params, opt_state, guard, model state)`.
+        `model` (`_model.Model`) says which params leaves the gradients are of (the trainable ones)."""
         if kind == "grad":
             if not self.shards:
                 return (self.replicated, self.replicated, self.replicated)
@@ -374,9 +374,10 @@ class Sharded:
             return (grads, self.replicated, self.replicated)
         if kind == "opt":
             if not self.shards:
-                return (self.replicated, self.replicated, self.replicated)
+                return (self.replicated,) * 4
             opt_state = args[2]
-            return (self._param_shardings, jax.tree.map(lambda leaf: leaf.sharding, opt_state), self.replicated)
+            return (self._param_shardings, jax.tree.map(lambda leaf: leaf.sharding, opt_state), self.replicated,
+                    self.replicated)
         return None
 
     def metric_args(self, tree):

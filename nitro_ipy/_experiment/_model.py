@@ -9,7 +9,7 @@ is refused before anything is traced, naming its path.
 - `ParamSplit` holds the static leaves and moves between the user's pytree, the *dynamic* tree the
   programs take (statics replaced by None) and the *trainable* tree the optimizer sees (floats only).
 - `step_key` is the per-step PRNG key rule, the one place it is written; `host_step_keys` computes
-  the same keys on the host, many steps at once, for the gradient program to take.
+  the same keys on the host, bit for bit (the first step's keys of a guard, `_training._guard.fresh`).
 """
 
 import collections.abc
@@ -59,40 +59,45 @@ def step_key(seed, step, micro):
     return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), step), micro)
 
 
-# `step_key`, computed on the host for many steps at once (NumPy, bit for bit JAX's threefry2x32): the
-# gradient program then takes its key instead of deriving it. `PRNGKey(seed)` and two threefry hashes in
-# every gradient program cost 14% of the Flax CNN's gradient compile (bench_models: 435 -> 357 ms), paid
-# again at every edit; here they cost about 1 us a step, computed `HOST_KEYS` steps at a time.
+# `step_key`, computed on the host, bit for bit JAX's threefry2x32: a guard starts with its first step's keys
+# (`_training._guard.fresh`), and the optimizer program derives each next step's on the device.
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
-HOST_KEYS = 256
+_U32 = 0xFFFFFFFF
 
 
 def _threefry2x32(k0, k1, x0, x1):
-    """JAX's `threefry_2x32` hash of the counter pair `(x0, x1)` under the key `(k0, k1)` (uint32 arrays,
-    broadcast): 20 rounds, the key injected every 4."""
+    """JAX's `threefry_2x32` hash of the counter pair `(x0, x1)` under the key `(k0, k1)`: 20 rounds, the
+    key injected every 4. Python ints or uint32 arrays (broadcast): every sum and shift is taken mod 2**32,
+    so one epoch's first keys cost no NumPy call."""
     with np.errstate(over="ignore"):
-        ks = (k0, k1, k0 ^ k1 ^ np.uint32(0x1BD11BDA))
-        x0, x1 = x0 + ks[0], x1 + ks[1]
+        ks = (k0, k1, k0 ^ k1 ^ 0x1BD11BDA)
+        x0, x1 = (x0 + ks[0]) & _U32, (x1 + ks[1]) & _U32
         for i in range(5):
             for r in _ROTATIONS[i % 2]:
-                x0 = x0 + x1
-                x1 = (x1 << np.uint32(r)) | (x1 >> np.uint32(32 - r))
+                x0 = (x0 + x1) & _U32
+                x1 = ((x1 << r) & _U32) | (x1 >> (32 - r))
                 x1 = x1 ^ x0
-            x0 = x0 + ks[(i + 1) % 3]
-            x1 = x1 + ks[(i + 2) % 3] + np.uint32(i + 1)
+            x0 = (x0 + ks[(i + 1) % 3]) & _U32
+            x1 = (x1 + ks[(i + 2) % 3] + (i + 1)) & _U32
     return x0, x1
 
 
 def host_step_keys(seed: int, start: int, count: int, micro: int | None = 0) -> np.ndarray:
     """`step_key(seed, step, micro)` for steps `start .. start + count - 1`: a `[count, 2]` uint32 array
     of raw keys. With `micro=None`, the keys before the micro-batch is folded in
-    (`fold_in(PRNGKey(seed), step)`), for a gradient program that folds in its micro-batches itself."""
-    steps = (np.arange(start, start + count, dtype=np.int64) & 0xFFFFFFFF).astype(np.uint32)
+    (`fold_in(PRNGKey(seed), step)`)."""
+    steps = (np.arange(start, start + count, dtype=np.int64) & _U32).astype(np.uint32)
     zero = np.zeros(count, np.uint32)
-    k0, k1 = _threefry2x32(zero, np.full(count, seed & 0xFFFFFFFF, np.uint32), zero, steps)  # fold_in(PRNGKey)
+    k0, k1 = _threefry2x32(zero, np.full(count, seed & _U32, np.uint32), zero, steps)  # fold_in(PRNGKey)
     if micro is not None:
         k0, k1 = _threefry2x32(k0, k1, zero, np.full(count, micro, np.uint32))
-    return np.stack([k0, k1], axis=1)
+    return np.stack([k0, k1], axis=1).astype(np.uint32)
+
+
+def step_keys(seed: int, step: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """`host_step_keys` of one step as Python ints: the key before micro-batch 0 is folded in, and after."""
+    base = _threefry2x32(0, int(seed) & _U32, 0, int(step) & _U32)
+    return base, _threefry2x32(*base, 0, 0)
 
 
 EVAL_KEY_SEED = 0  # evaluation and predict get `PRNGKey(0)`: deterministic, the same every batch

@@ -75,7 +75,7 @@ class StepState:
     accum: int = 1
     on_nonfinite: str = "raise"
     per_execution: int = 1
-    wants_rng: bool = False  # a hook takes `rng`: the gradient program gets the guard, its step counter
+    wants_rng: bool = False  # a hook takes `rng`: the gradient program gets the guard, which holds its key
     params: object = None
     model_state: object = None
     opt_state: object = None
@@ -112,8 +112,8 @@ class StepState:
 # gradient program's `rng` (it holds the step counter) when a hook takes `rng`.
 GRAD_ARGS = GRAD.packer(("batch",), params="s.params", state="s.model_state", device="s.dev",
                         rng="s.guard if s.wants_rng else None")
-OPT_ARGS = OPT.packer(("grads", "loss"), params="s.params", opt_state="s.opt_state", device="s.dev",
-                      guard="s.guard")
+OPT_ARGS = OPT.packer(("grads", "loss", "new_state"), params="s.params", opt_state="s.opt_state", device="s.dev",
+                      guard="s.guard", state="s.model_state")
 STEPS_ARGS = STEPS.packer(("batches", "schedule"), params="s.params", state="s.model_state",
                           opt_state="s.opt_state", device="s.dev", guard="s.guard")
 
@@ -209,7 +209,7 @@ def train_epoch(s: StepState, resolve, split: dict, fields, steps: int, gate: In
     batches = place.batches(drawn, s.accum > 1)
     step0 = s.step
     # The guard is a tiny int32 vector (replicated on a mesh, like every scalar the programs take); it
-    # also carries the step counter the gradient program derives each step's rng from.
+    # also carries the step's rng keys, which the optimizer program advances for the gradient program.
     s.guard = s.fresh_guard(step0)
     settled = False
     bar = None  # told after the first step, so compile lines print above it, not through it
@@ -283,10 +283,11 @@ def train_epoch(s: StepState, resolve, split: dict, fields, steps: int, gate: In
                 if schedules:
                     apply_schedules(dev, s.step)
                 if stable:
-                    flat_grads, loss, s.model_state = grad_call(*grad_args(s, batch))
+                    flat_grads, loss, model_state = grad_call(*grad_args(s, batch))
                     if s.shared:  # read by the user (a schedule, say) since the last step
                         unshare(s)
-                    s.params, s.opt_state, s.guard = opt_call(*opt_args(s, flat_grads, loss))
+                    s.params, s.opt_state, s.guard, s.model_state = opt_call(*opt_args(s, flat_grads, loss,
+                                                                                       model_state))
                     pairs += 1
                 else:  # slow path: re-key every step (and report the loop)
                     gate.defer = False  # nothing is donated yet, and a compile may follow
@@ -394,15 +395,14 @@ def keyed_step(s: StepState, resolve, batch, gate: InterruptGate):
     program, which donates params and state, is about to run."""
     args = s.grad_args(batch)
     grad = resolve(GRAD, args, **s.fields(batch))
-    # The new model state is stored with the step's parameters, not before the optimizer program is
-    # resolved (maybe compiled): a Ctrl-C in between would leave the state a step ahead of the params.
+    # The new model state is stored with the step's parameters, by the optimizer program (which keeps the
+    # old one for a step it skips): a Ctrl-C while it is resolved (maybe compiled) changes neither.
     flat_grads, loss, model_state = grad.call(*args)
-    opt = resolve(OPT, OPT_ARGS(s, flat_grads, loss), halt=s.on_nonfinite == "raise")
+    opt = resolve(OPT, OPT_ARGS(s, flat_grads, loss, model_state), halt=s.on_nonfinite == "raise")
     if s.shared:
         unshare(s)
     gate.defer = True
-    s.params, s.opt_state, s.guard = opt.call(*OPT_ARGS(s, flat_grads, loss))
-    s.model_state = model_state
+    s.params, s.opt_state, s.guard, s.model_state = opt.call(*OPT_ARGS(s, flat_grads, loss, model_state))
     return grad, opt, loss
 
 
@@ -544,7 +544,7 @@ def _returns_its_inputs(opt_entry) -> bool:
     in_avals, out_avals = compiled_in_avals(opt_entry.call), compiled_out_avals(opt_entry.call)
     if in_avals is None or out_avals is None:
         return True
-    in_avals = jax.tree.leaves(in_avals[0]) + jax.tree.leaves(in_avals[2]) + jax.tree.leaves(in_avals[5])
+    in_avals = [leaf for i in (0, 2, 5, 6) for leaf in jax.tree.leaves(in_avals[i])]
     out_avals = jax.tree.leaves(out_avals)
     norm = lambda a: (tuple(a.shape), str(a.dtype), bool(getattr(a, "weak_type", False)))
     return [norm(a) for a in in_avals] == [norm(a) for a in out_avals]
