@@ -121,8 +121,7 @@ def make_gradient(view_of, forward, loss, input_names, target_names, model, accu
         elif accum == 1:
             key = lambda i: step_rng(rng, 0)  # noqa: E731
         else:
-            base = step_rng(rng)
-            key = lambda i: jax.random.fold_in(base, i)  # noqa: E731
+            key = lambda i: step_rng(rng, i)  # noqa: E731
         value_and_grad = jax.value_and_grad(loss_of, has_aux=True)
         if accum == 1:
             (value, state), grads = value_and_grad(trainable, params, state, dev, view, batch, key(0))
