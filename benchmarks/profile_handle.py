@@ -190,7 +190,7 @@ def probe_dispatch(cells):
             jax.block_until_ready(last[0])
 
         def opt_only():
-            nst[0], nst[1], guard[0] = O(nst[0], fg0, nst[1], dev, loss0, guard[0])
+            nst[0], nst[1], guard[0], _ = O(nst[0], fg0, nst[1], dev, loss0, guard[0], None, None)
 
         rows = [
             ("baseline fused step, numpy batch", base(xb)),
