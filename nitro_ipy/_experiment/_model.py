@@ -8,8 +8,8 @@ is refused before anything is traced, naming its path.
   integer arrays): a float array is trained, any other array is carried, anything else is static.
 - `ParamSplit` holds the static leaves and moves between the user's pytree, the *dynamic* tree the
   programs take (statics replaced by None) and the *trainable* tree the optimizer sees (floats only).
-- `step_key` is the per-step PRNG key rule, the one place it is written; `host_step_keys` computes
-  the same keys on the host, bit for bit (the first step's keys of a guard, `_training._guard.fresh`).
+- `step_key` is the per-step PRNG key rule, the one place it is written; `step_keys` computes one
+  step's keys on the host, bit for bit (the first step's keys of a guard, `_training._guard.fresh`).
 """
 
 import collections.abc
@@ -67,39 +67,26 @@ _U32 = 0xFFFFFFFF
 
 def threefry2x32(k0, k1, x0, x1):
     """JAX's `threefry_2x32` hash of the counter pair `(x0, x1)` under the key `(k0, k1)`: 20 rounds, the
-    key injected every 4. Python ints or uint32 NumPy arrays (broadcast), every sum and shift taken mod
-    2**32; or traced uint32 scalars, which wrap by themselves. Traced, it is straight-line code that XLA
-    fuses into one kernel, where `jax.random.fold_in` lowers to a `while` loop that XLA:CPU runs at about
-    13 us a hash."""
+    key injected every 4. Python ints, every sum and shift taken mod 2**32; or traced uint32 scalars,
+    which wrap by themselves. Traced, it is straight-line code that XLA fuses into one kernel, where
+    `jax.random.fold_in` lowers to a `while` loop that XLA:CPU runs at about 13 us a hash."""
     traced = any(isinstance(v, jax.Array) for v in (k0, k1, x0, x1))
     wrap = (lambda v: v) if traced else (lambda v: v & _U32)  # noqa: E731
-    with np.errstate(over="ignore"):
-        ks = (k0, k1, k0 ^ k1 ^ 0x1BD11BDA)
-        x0, x1 = wrap(x0 + ks[0]), wrap(x1 + ks[1])
-        for i in range(5):
-            for r in _ROTATIONS[i % 2]:
-                x0 = wrap(x0 + x1)
-                x1 = wrap(x1 << r) | (x1 >> (32 - r))
-                x1 = x1 ^ x0
-            x0 = wrap(x0 + ks[(i + 1) % 3])
-            x1 = wrap(x1 + ks[(i + 2) % 3] + (i + 1))
+    ks = (k0, k1, k0 ^ k1 ^ 0x1BD11BDA)
+    x0, x1 = wrap(x0 + ks[0]), wrap(x1 + ks[1])
+    for i in range(5):
+        for r in _ROTATIONS[i % 2]:
+            x0 = wrap(x0 + x1)
+            x1 = wrap(x1 << r) | (x1 >> (32 - r))
+            x1 = x1 ^ x0
+        x0 = wrap(x0 + ks[(i + 1) % 3])
+        x1 = wrap(x1 + ks[(i + 2) % 3] + (i + 1))
     return x0, x1
 
 
-def host_step_keys(seed: int, start: int, count: int, micro: int | None = 0) -> np.ndarray:
-    """`step_key(seed, step, micro)` for steps `start .. start + count - 1`: a `[count, 2]` uint32 array
-    of raw keys. With `micro=None`, the keys before the micro-batch is folded in
-    (`fold_in(PRNGKey(seed), step)`)."""
-    steps = (np.arange(start, start + count, dtype=np.int64) & _U32).astype(np.uint32)
-    zero = np.zeros(count, np.uint32)
-    k0, k1 = threefry2x32(zero, np.full(count, seed & _U32, np.uint32), zero, steps)  # fold_in(PRNGKey)
-    if micro is not None:
-        k0, k1 = threefry2x32(k0, k1, zero, np.full(count, micro, np.uint32))
-    return np.stack([k0, k1], axis=1).astype(np.uint32)
-
-
 def step_keys(seed: int, step: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """`host_step_keys` of one step as Python ints: the key before micro-batch 0 is folded in, and after."""
+    """`step_key(seed, step, micro)`'s raw key as Python ints, before micro-batch 0 is folded in
+    (`fold_in(PRNGKey(seed), step)`) and after."""
     base = threefry2x32(0, int(seed) & _U32, 0, int(step) & _U32)
     return base, threefry2x32(*base, 0, 0)
 

@@ -69,6 +69,11 @@ def _buffer_name(path) -> str:
     return f"the flat {key} buffer" if flat else f"`params{text}`"
 
 
+def _u32(x):
+    """The 32 bits of an int32 guard entry, as the uint32 the host wrote (`fresh`)."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)
+
+
 def fresh(n_parts: int, seed: int = 0, step: int = 0) -> np.ndarray:
     """A guard with no steps seen, made at optimizer step `step` of a handle seeded `seed` (a host value:
     transferred once, at the epoch's first step), holding that step's keys."""
@@ -85,12 +90,11 @@ def step_rng(guard, micro=None):
     then `fold_in(., micro)` unless `micro` is None. Traced inside the gradient program: the keys live on
     the device, in the guard the optimizer program advances (`next_keys`); only a micro-batch after the
     first is folded in here."""
-    u32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint32)  # noqa: E731 - the 32 bits, as the host's
     if micro is None:
-        return u32(guard[BASE:BASE + 2])
+        return _u32(guard[BASE:BASE + 2])
     if isinstance(micro, int) and micro == 0:
-        return u32(guard[KEY:KEY + 2])
-    base = u32(guard[BASE:BASE + 2])
+        return _u32(guard[KEY:KEY + 2])
+    base = _u32(guard[BASE:BASE + 2])
     return jnp.stack(threefry2x32(base[0], base[1], jnp.zeros((), jnp.uint32), jnp.asarray(micro).astype(jnp.uint32)))
 
 
@@ -99,9 +103,9 @@ def next_keys(guard, steps):
     after micro-batch 0 is folded in, as int32 bits. Traced inside the optimizer program, as one fused
     kernel (`_model.threefry2x32`: `jax.random.fold_in` would add two `while` loops to every step, 27 us
     of the tiny MLP's 64 us step on XLA:CPU)."""
-    u32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint32)  # noqa: E731
     zero = jnp.zeros((), jnp.uint32)
-    base = threefry2x32(zero, u32(guard[SEED]), zero, u32(guard[ORIGIN]) + u32(steps))  # fold_in(PRNGKey(seed), step)
+    # fold_in(PRNGKey(seed), step)
+    base = threefry2x32(zero, _u32(guard[SEED]), zero, _u32(guard[ORIGIN]) + _u32(steps))
     key = threefry2x32(*base, zero, zero)  # fold_in(., 0); the sum above wraps at 2**32, as the host's
     return jax.lax.bitcast_convert_type(jnp.stack([*base, *key]), jnp.int32)
 

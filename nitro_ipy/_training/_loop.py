@@ -540,11 +540,14 @@ def returns_its_inputs(opt_entry) -> bool:
 _RETURNS_ITS_INPUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+_CARRIED = ("params", "opt_state", "guard", "state")  # what the optimizer program returns, in order
+
+
 def _returns_its_inputs(opt_entry) -> bool:
     in_avals, out_avals = compiled_in_avals(opt_entry.call), compiled_out_avals(opt_entry.call)
     if in_avals is None or out_avals is None:
         return True
-    in_avals = [leaf for i in (0, 2, 5, 6) for leaf in jax.tree.leaves(in_avals[i])]
+    in_avals = [leaf for name in _CARRIED for leaf in jax.tree.leaves(in_avals[OPT.args.index(name)])]
     out_avals = jax.tree.leaves(out_avals)
     norm = lambda a: (tuple(a.shape), str(a.dtype), bool(getattr(a, "weak_type", False)))
     return [norm(a) for a in in_avals] == [norm(a) for a in out_avals]
